@@ -1,0 +1,58 @@
+"""loaderplug: fast, safe model cold starts.
+
+Range-parallel hydrate from a volume mirror to local disk, and sync back, with pluggy
+hooks for locating mirrors, choosing IO policy, opening sources and observing progress.
+"""
+
+from loaderplug.errors import (
+    FormatError,
+    HydrateError,
+    LoaderplugError,
+    LockError,
+    MirrorError,
+    PluginError,
+    SettingsError,
+    TransferFailed,
+)
+from loaderplug.fs import IOPolicy
+from loaderplug.hookspecs import hookimpl
+from loaderplug.report import FileResult, TransferReport
+from loaderplug.settings import Settings, from_env
+from loaderplug.volume import MirrorRequest, hydrate, sync
+
+HydrateReport = TransferReport
+
+__all__ = [
+    "FileResult",
+    "FormatError",
+    "HydrateError",
+    "HydrateReport",
+    "IOPolicy",
+    "LoaderplugError",
+    "LockError",
+    "MirrorError",
+    "MirrorRequest",
+    "PluginError",
+    "Settings",
+    "SettingsError",
+    "TransferFailed",
+    "TransferReport",
+    "from_env",
+    "hookimpl",
+    "hydrate",
+    "io_policy",
+    "sync",
+]
+
+
+def io_policy(path: str, direct_io: str | None = None) -> IOPolicy:
+    """How loaderplug would read ``path`` (``direct_io``: auto, on or off)."""
+    from loaderplug.plugins import first_result, plugin_manager
+
+    settings = from_env() if direct_io is None else from_env(direct_io=direct_io)
+    return first_result(  # type: ignore[no-any-return]
+        plugin_manager(settings.disable_plugins),
+        "loaderplug_io_policy",
+        path=str(path),
+        mode=settings.direct_io,
+    )

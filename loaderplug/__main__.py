@@ -1,0 +1,3 @@
+from loaderplug.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,80 @@
+"""The mirror's manifest: every synced file with its size and mtime, written last.
+
+``sync`` writes the manifest only after every file landed, atomically (temp + rename), so
+its presence means "this listing is complete". ``hydrate`` then trusts it over a walk: a
+file whose size disagrees (a sync still under way, or one that landed after the manifest
+was read) is refused rather than copied half-new.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from loaderplug.errors import MirrorError
+from loaderplug.sinks import fsync_dir
+from loaderplug.tree import MANIFEST_NAME, path_problem, symlink_problem
+
+VERSION = 1
+
+
+@dataclass
+class Manifest:
+    files: dict[str, tuple[int, int]] = field(default_factory=dict)  # rel → (size, mtime_ns)
+    symlinks: dict[str, str] = field(default_factory=dict)
+    refused: dict[str, str] = field(default_factory=dict)
+
+
+def read(root: Path) -> Manifest | None:
+    """The manifest at ``root``, or None when the mirror has none (it is then walked)."""
+    path = root / MANIFEST_NAME
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return None
+    try:
+        data = json.loads(text)
+        if not isinstance(data, dict) or data.get("version") != VERSION:
+            raise ValueError(f"expected an object with version {VERSION}")
+        manifest = Manifest()
+        for rel, entry in data.get("files", {}).items():
+            size, mtime_ns = int(entry["size"]), int(entry["mtime_ns"])
+            problem = path_problem(rel)
+            if problem:
+                manifest.refused[rel] = problem
+            else:
+                manifest.files[rel] = (size, mtime_ns)
+        for rel, target in data.get("symlinks", {}).items():
+            problem = path_problem(rel) or symlink_problem(rel, str(target))
+            if problem:
+                manifest.refused[rel] = problem
+            else:
+                manifest.symlinks[rel] = str(target)
+    except (ValueError, TypeError, KeyError, AttributeError) as exc:
+        raise MirrorError(
+            f"manifest {path} is malformed ({exc}); run `loaderplug sync` again to rewrite it"
+        ) from exc
+    return manifest
+
+
+def write(root: Path, files: dict[str, tuple[int, int]], symlinks: dict[str, str]) -> Path:
+    """Write the manifest atomically and durably; returns its path."""
+    payload: dict[str, Any] = {
+        "version": VERSION,
+        "files": {
+            rel: {"size": size, "mtime_ns": mtime} for rel, (size, mtime) in sorted(files.items())
+        },
+        "symlinks": dict(sorted(symlinks.items())),
+    }
+    path = root / MANIFEST_NAME
+    temp = root / f"{MANIFEST_NAME}.{os.getpid()}.tmp"
+    with open(temp, "w", encoding="utf-8") as f:
+        json.dump(payload, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(temp, path)
+    fsync_dir(root)
+    return path

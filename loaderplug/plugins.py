@@ -1,0 +1,63 @@
+"""The plugin manager: hook specs, then built-ins (``trylast``), then entry points.
+
+Third-party plugins are found through the ``loaderplug`` entry-point group. Any plugin,
+built-in ones included, can be kept from loading by naming it in
+``LOADERPLUG_DISABLE_PLUGINS`` (built-ins are named ``loaderplug.builtin``).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.metadata
+from typing import Any
+
+import pluggy
+
+from loaderplug import hookspecs
+from loaderplug.errors import PluginError
+from loaderplug.hookspecs import PROJECT
+
+BUILTIN_NAME = "loaderplug.builtin"
+
+
+def plugin_manager(disabled: tuple[str, ...] = ()) -> pluggy.PluginManager:
+    """The shared plugin manager for this set of disabled plugin names.
+
+    Plugins registered at run time (``plugin_manager().register(obj)``) stay with it.
+    """
+    return _build(tuple(sorted(set(disabled))))
+
+
+@functools.lru_cache(maxsize=8)
+def _build(disabled: tuple[str, ...]) -> pluggy.PluginManager:
+    pm = pluggy.PluginManager(PROJECT)
+    pm.add_hookspecs(hookspecs)
+    for name in disabled:
+        pm.set_blocked(name)
+    from loaderplug import builtins
+
+    if not pm.is_blocked(BUILTIN_NAME):
+        pm.register(builtins, name=BUILTIN_NAME)
+    for ep in importlib.metadata.entry_points(group=PROJECT):
+        if pm.is_blocked(ep.name) or pm.get_plugin(ep.name) is not None:
+            continue
+        try:
+            plugin = ep.load()
+        except Exception as exc:
+            raise PluginError(
+                f"plugin {ep.name!r} ({ep.value}) failed to load: {exc}; "
+                f"fix or uninstall it, or set LOADERPLUG_DISABLE_PLUGINS={ep.name}"
+            ) from exc
+        pm.register(plugin, name=ep.name)
+    return pm
+
+
+def first_result(pm: pluggy.PluginManager, hook_name: str, **kwargs: Any) -> Any:
+    """Call a ``firstresult`` hook and insist that some plugin answered."""
+    result = getattr(pm.hook, hook_name)(**kwargs)
+    if result is None:
+        raise PluginError(
+            f"no plugin answered {hook_name}; is the built-in plugin disabled "
+            f"(LOADERPLUG_DISABLE_PLUGINS)?"
+        )
+    return result

@@ -1,0 +1,92 @@
+"""What a hydrate or sync did, file by file: the value returned and printed with --json."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+Status = Literal["restored", "skipped", "linked", "failed"]
+
+
+@dataclass(frozen=True)
+class FileResult:
+    """The outcome for one path (relative to the job's source root)."""
+
+    path: str
+    status: Status
+    size: int = 0
+    reason: str = ""
+    errno: int | None = None
+    range: tuple[int, int] | None = None
+
+
+@dataclass
+class TransferReport:
+    """Files restored, skipped and failed, bytes moved, time taken, retries."""
+
+    job: str
+    source: str
+    destination: str
+    workers: int
+    chunk_bytes: int
+    results: list[FileResult] = field(default_factory=list)
+    bytes_copied: int = 0
+    seconds: float = 0.0
+    retries: int = 0
+    waited_for_lock_s: float = 0.0
+
+    def _with(self, status: Status) -> list[FileResult]:
+        return [r for r in self.results if r.status == status]
+
+    @property
+    def restored(self) -> list[FileResult]:
+        return self._with("restored")
+
+    @property
+    def skipped(self) -> list[FileResult]:
+        return self._with("skipped")
+
+    @property
+    def linked(self) -> list[FileResult]:
+        return self._with("linked")
+
+    @property
+    def failed(self) -> list[FileResult]:
+        return self._with("failed")
+
+    @property
+    def ok(self) -> bool:
+        return not self.failed
+
+    @property
+    def mib_per_s(self) -> float:
+        return self.bytes_copied / (1 << 20) / self.seconds if self.seconds > 0 else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["results"] = [asdict(r) for r in self.results]
+        data.update(
+            restored=len(self.restored),
+            skipped=len(self.skipped),
+            linked=len(self.linked),
+            failed=len(self.failed),
+            mib_per_s=round(self.mib_per_s, 1),
+        )
+        return data
+
+    def summary(self) -> str:
+        """A few lines for people: counts, speed, and every failure with its reason."""
+        lines = [
+            f"{self.job} {self.source} -> {self.destination}: "
+            f"{len(self.restored)} restored, {len(self.linked)} linked, "
+            f"{len(self.skipped)} skipped, {len(self.failed)} failed; "
+            f"{self.bytes_copied / (1 << 20):.1f} MiB in {self.seconds:.2f} s "
+            f"({self.mib_per_s:.1f} MiB/s), {self.retries} retries, "
+            f"{self.workers} workers x {self.chunk_bytes >> 20} MiB"
+        ]
+        if self.results and not self.restored and not self.linked and self.ok:
+            lines.append("nothing to do: every file is already up to date")
+        for r in self.failed:
+            errno = f" [errno {r.errno}]" if r.errno is not None else ""
+            lines.append(f"  FAILED {r.path}: {r.reason}{errno}")
+        return "\n".join(lines)

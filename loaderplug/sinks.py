@@ -1,0 +1,115 @@
+"""Where copied bytes go.
+
+A sink receives the ranges of one file in any order, from any worker thread, then is
+either committed (every range landed and the source held still) or aborted. The
+:class:`FileSink` assembles a temp file beside the destination and publishes it with one
+``rename``, so a reader sees either the old file or the complete new one, never a mix.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import secrets
+from pathlib import Path
+from typing import Protocol
+
+TEMP_SUFFIX = ".loaderplug-tmp"
+
+
+class Sink(Protocol):
+    def prepare(self) -> None:
+        """Called once, before the first write."""
+
+    def write(self, data: memoryview, offset: int) -> None:
+        """Store ``data`` at ``offset``. Thread-safe; ranges arrive in any order."""
+
+    def commit(self) -> None:
+        """Every byte landed: make the result visible."""
+
+    def abort(self) -> None:
+        """Drop everything written. Idempotent; safe before ``prepare``."""
+
+
+def temp_name_for(dst: Path) -> Path:
+    # Hidden, unique per attempt, and recognisable, so a later run can sweep leftovers of
+    # a killed one and tree walks can skip them.
+    return dst.with_name(f".{dst.name}.{secrets.token_hex(6)}{TEMP_SUFFIX}")
+
+
+def is_temp_name(name: str) -> bool:
+    return name.startswith(".") and name.endswith(TEMP_SUFFIX)
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    except OSError as exc:  # some FUSE servers do not implement fsyncdir
+        if exc.errno not in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP):
+            raise
+    finally:
+        os.close(fd)
+
+
+class FileSink:
+    """Assembles ``dst`` in a preallocated temp file and renames it into place."""
+
+    def __init__(self, dst: Path, size: int, mtime_ns: int, *, fsync: bool) -> None:
+        self.dst = dst
+        self.size = size
+        self.mtime_ns = mtime_ns
+        self.fsync = fsync
+        self.temp = temp_name_for(dst)
+
+    def prepare(self) -> None:
+        self.dst.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        try:
+            self._preallocate(fd)
+        except BaseException:
+            os.close(fd)
+            self.abort()
+            raise
+        os.close(fd)
+
+    def _preallocate(self, fd: int) -> None:
+        # Reserving every block up front turns a full disk into one clear error before any
+        # byte is read, instead of a failure halfway through a multi-GiB file.
+        if self.size == 0:
+            return
+        try:
+            os.posix_fallocate(fd, 0, self.size)
+        except OSError as exc:
+            if exc.errno not in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+                raise
+            os.ftruncate(fd, self.size)
+
+    def write(self, data: memoryview, offset: int) -> None:
+        # Each write opens its own descriptor: no descriptor is shared between workers,
+        # and no O_CREAT, so a write racing an abort cannot resurrect the temp file.
+        fd = os.open(self.temp, os.O_WRONLY | os.O_CLOEXEC)
+        try:
+            done = 0
+            while done < len(data):
+                done += os.pwrite(fd, data[done:], offset + done)
+        finally:
+            os.close(fd)
+
+    def commit(self) -> None:
+        os.utime(self.temp, ns=(self.mtime_ns, self.mtime_ns))
+        if self.fsync:
+            fd = os.open(self.temp, os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        os.replace(self.temp, self.dst)
+        if self.fsync:
+            fsync_dir(self.dst.parent)
+
+    def abort(self) -> None:
+        try:
+            os.unlink(self.temp)
+        except FileNotFoundError:
+            pass

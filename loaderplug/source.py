@@ -1,0 +1,144 @@
+"""Reading a source file: open under an IO policy, pread into caller buffers, pin identity.
+
+A :class:`PosixSource` is opened per range by the worker that reads it, so no descriptor
+is shared between threads and a source replaced on the volume is seen at the next open.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import mmap
+import os
+import threading
+from dataclasses import dataclass
+from typing import Protocol
+
+from loaderplug.fs import IOPolicy
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Identity:
+    """What must stay the same while a file is copied: size, mtime and inode."""
+
+    size: int
+    mtime_ns: int
+    inode: int
+
+    @staticmethod
+    def of(st: os.stat_result) -> Identity:
+        return Identity(st.st_size, st.st_mtime_ns, st.st_ino)
+
+
+class Source(Protocol):
+    """What the engine reads from; ``loaderplug_open_source`` may return any such object."""
+
+    @property
+    def size(self) -> int: ...
+
+    def identity(self) -> Identity:
+        """The file's identity now (a fresh stat of the open file)."""
+        ...
+
+    def pread_into(self, buf: memoryview, offset: int) -> int:
+        """Read up to ``len(buf)`` bytes at ``offset``; fewer only at end of file."""
+        ...
+
+    def close(self) -> None: ...
+
+
+def aligned_buffer(size: int) -> mmap.mmap:
+    """A page-aligned anonymous buffer, as O_DIRECT needs; freed when closed."""
+    return mmap.mmap(-1, max(size, mmap.PAGESIZE))
+
+
+_fallback_lock = threading.Lock()
+_fallback_logged: set[str] = set()
+
+
+def _note_fallback(policy: IOPolicy, path: str) -> None:
+    with _fallback_lock:
+        if policy.fs_type in _fallback_logged:
+            return
+        _fallback_logged.add(policy.fs_type)
+    log.info("O_DIRECT refused on %s (%s); reading it buffered", policy.fs_type, path)
+
+
+class PosixSource:
+    """A local or mounted file read with ``preadv``, O_DIRECT when the policy says so.
+
+    O_DIRECT needs aligned offsets, lengths and buffers: callers pass page-aligned buffers
+    (:func:`aligned_buffer`) with lengths padded to the alignment, so the last read of a
+    file runs past its end and the kernel returns the short tail. When the kernel refuses
+    direct IO (EINVAL at open or read) the file is reopened buffered and read the same way.
+    """
+
+    def __init__(self, path: str, policy: IOPolicy) -> None:
+        self.path = path
+        self.policy = policy
+        self.direct = policy.direct and hasattr(os, "O_DIRECT")
+        flags = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
+        if self.direct:
+            try:
+                self._fd = os.open(path, flags | os.O_DIRECT)
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:
+                    raise
+                self._fallback()
+                self._fd = os.open(path, flags)
+        else:
+            self._fd = os.open(path, flags)
+        self._size = os.fstat(self._fd).st_size
+
+    def _fallback(self) -> None:
+        _note_fallback(self.policy, self.path)
+        self.direct = False
+
+    @property
+    def size(self) -> int:
+        return self._size
+
+    def identity(self) -> Identity:
+        return Identity.of(os.fstat(self._fd))
+
+    def pread_into(self, buf: memoryview, offset: int) -> int:
+        """Fill ``buf`` from ``offset``, looping over short reads; stop early only at EOF.
+
+        Direct reads need ``offset`` and ``len(buf)`` to be multiples of the alignment
+        (the engine pads its requests); anything else is read buffered.
+        """
+        align = self.policy.alignment
+        if self.direct and offset % align == 0 and len(buf) % align == 0:
+            try:
+                return self._read_loop(buf, offset, stop_on_unaligned=align)
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:
+                    raise
+                self._reopen_buffered()
+        return self._read_loop(buf, offset, stop_on_unaligned=0)
+
+    def _read_loop(self, buf: memoryview, offset: int, *, stop_on_unaligned: int) -> int:
+        done = 0
+        while done < len(buf):
+            n = os.preadv(self._fd, [buf[done:]], offset + done)
+            if n == 0:
+                break
+            done += n
+            # With O_DIRECT a short read that is not a multiple of the alignment is the
+            # file's tail, and asking again at an unaligned offset would fail.
+            if stop_on_unaligned and done % stop_on_unaligned:
+                break
+        return done
+
+    def _reopen_buffered(self) -> None:
+        self._fallback()
+        fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        os.close(self._fd)
+        self._fd = fd
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1

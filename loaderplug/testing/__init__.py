@@ -1,0 +1,1 @@
+"""Test helpers for loaderplug (FUSE-backed slow, faulty test volumes)."""

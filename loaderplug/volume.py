@@ -1,0 +1,265 @@
+"""Hydrate (mirror → local disk) and sync (local disk → mirror), end to end.
+
+Both are one job for the range engine: list the source (its manifest when a mirror has
+one, else a walk), skip what the destination already holds, copy the rest through
+:class:`FileSink` s, recreate relative symlinks, and report every file. Both run under
+the destination's cross-process lock; sync writes the mirror's manifest last.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pluggy
+
+from loaderplug import manifest as manifest_mod
+from loaderplug.engine import Engine, FileJob
+from loaderplug.errors import MirrorError, TransferFailed
+from loaderplug.fs import IOPolicy
+from loaderplug.lock import locked
+from loaderplug.plugins import first_result, plugin_manager
+from loaderplug.report import FileResult, TransferReport
+from loaderplug.settings import Settings, from_env
+from loaderplug.sinks import FileSink, temp_name_for
+from loaderplug.source import Identity
+from loaderplug.tree import Tree, temp_files, walk
+
+
+@dataclass(frozen=True)
+class MirrorRequest:
+    """What a caller wants from the mirror: ``kind`` is ``hub`` (a Hub repo, kept in the
+    Hub's cache layout under ``<volume>/hub``) or ``folder`` (``<volume>/models/<name>``)."""
+
+    kind: str
+    name: str
+    revision: str | None = None
+
+    @property
+    def subpath(self) -> str:
+        return "hub" if self.kind == "hub" else f"models/{self.name}"
+
+
+@dataclass
+class _Listing:
+    """The source side of a job: files with their pinned identity, symlinks, refusals."""
+
+    files: dict[str, Identity]
+    symlinks: dict[str, str]
+    dirs: list[str]
+    refused: dict[str, str]
+
+
+def _list_source(src: Path, use_manifest: bool) -> _Listing:
+    manifest = manifest_mod.read(src) if use_manifest else None
+    if manifest is None:
+        tree: Tree = walk(src)
+        files = {rel: Identity.of(st) for rel, st in tree.files.items()}
+        return _Listing(files, tree.symlinks, tree.dirs, dict(tree.refused))
+    listing = _Listing({}, dict(manifest.symlinks), [], dict(manifest.refused))
+    for rel, (size, _mtime) in manifest.files.items():
+        try:
+            st = os.lstat(src / rel)
+        except FileNotFoundError:
+            listing.refused[rel] = "listed in the mirror's manifest but missing on the mirror"
+            continue
+        if not stat.S_ISREG(st.st_mode):
+            listing.refused[rel] = "listed in the manifest but not a regular file on the mirror"
+        elif st.st_size != size:
+            listing.refused[rel] = (
+                f"size on the mirror ({st.st_size}) disagrees with its manifest ({size}); "
+                f"a sync may be under way: retry when it finishes"
+            )
+        else:
+            listing.files[rel] = Identity.of(st)
+    return listing
+
+
+def _is_current(dst: Path, identity: Identity) -> bool:
+    try:
+        st = os.lstat(dst)
+    except FileNotFoundError:
+        return False
+    return (
+        stat.S_ISREG(st.st_mode)
+        and st.st_size == identity.size
+        and st.st_mtime_ns == identity.mtime_ns
+    )
+
+
+def _place_symlink(dst_root: Path, rel: str, target: str) -> FileResult:
+    dst = dst_root / rel
+    try:
+        if os.path.islink(dst) and os.readlink(dst) == target:
+            return FileResult(rel, "skipped")
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        temp = temp_name_for(dst)
+        os.symlink(target, temp)
+        try:
+            os.replace(temp, dst)
+        except BaseException:
+            os.unlink(temp)
+            raise
+    except OSError as exc:
+        return FileResult(rel, "failed", reason=f"cannot create symlink: {exc}", errno=exc.errno)
+    return FileResult(rel, "linked")
+
+
+class _PolicyCache:
+    """One IO-policy decision per source folder, not per file."""
+
+    def __init__(self, pm: pluggy.PluginManager, mode: str) -> None:
+        self.pm, self.mode = pm, mode
+        self._by_dir: dict[str, IOPolicy] = {}
+
+    def __call__(self, path: Path) -> IOPolicy:
+        key = str(path.parent)
+        if key not in self._by_dir:
+            self._by_dir[key] = first_result(
+                self.pm, "loaderplug_io_policy", path=str(path), mode=self.mode
+            )
+        return self._by_dir[key]
+
+
+def _progress(settings: Settings, total: int, desc: str) -> tuple[Callable[[int], None], Any]:
+    if not (settings.progress and sys.stderr.isatty()) or total == 0:
+        return (lambda n: None), None
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=desc)
+
+    def update(n: int) -> None:
+        bar.update(n)
+
+    return update, bar
+
+
+def transfer(
+    job: str,
+    src: Path,
+    dst: Path,
+    settings: Settings,
+    *,
+    use_manifest: bool,
+    write_manifest: bool,
+) -> TransferReport:
+    """Copy the tree at ``src`` to ``dst`` under ``dst``'s lock. The shared core of
+    :func:`hydrate` and :func:`sync`."""
+    src, dst = Path(src), Path(dst)
+    if not src.is_dir():
+        raise MirrorError(f"{job} source {src} is not a folder; check the path")
+    if src.resolve() == dst.resolve():
+        raise MirrorError(f"{job} source and destination are the same folder: {src}")
+    pm = plugin_manager(settings.disable_plugins)
+    chunk = settings.effective_chunk_bytes
+    report = TransferReport(job, str(src), str(dst), settings.effective_workers, chunk)
+    with locked(dst, settings.lock_timeout_s) as waited:
+        report.waited_for_lock_s = waited
+        # We hold the lock, so any temp file here belongs to a run that died.
+        for leftover in temp_files(dst):
+            leftover.unlink(missing_ok=True)
+        listing = _list_source(src, use_manifest)
+        started = time.monotonic()
+        policy_for = _PolicyCache(pm, settings.direct_io)
+        for rel in listing.dirs:
+            (dst / rel).mkdir(parents=True, exist_ok=True)
+        jobs: list[FileJob] = []
+        for rel, identity in sorted(listing.files.items()):
+            if _is_current(dst / rel, identity):
+                report.results.append(FileResult(rel, "skipped", identity.size))
+                continue
+            sink = FileSink(dst / rel, identity.size, identity.mtime_ns, fsync=settings.fsync)
+            jobs.append(FileJob(rel, str(src / rel), identity, [sink], policy_for(src / rel)))
+        on_bytes, bar = _progress(settings, sum(j.size for j in jobs), f"{job} {src.name}")
+        engine = Engine(settings, pm, job=job, on_bytes=on_bytes)
+        try:
+            report.results.extend(engine.run(jobs))
+        finally:
+            if bar is not None:
+                bar.close()
+        for rel, target in sorted(listing.symlinks.items()):
+            report.results.append(_place_symlink(dst, rel, target))
+        for rel, reason in sorted(listing.refused.items()):
+            report.results.append(FileResult(rel, "failed", reason=reason))
+        if write_manifest:
+            _write_manifest(dst, listing, report)
+        report.bytes_copied = engine.bytes_copied
+        report.retries = engine.retries
+        report.seconds = time.monotonic() - started
+    pm.hook.loaderplug_on_job_done(report=report)
+    return report
+
+
+def _write_manifest(dst: Path, listing: _Listing, report: TransferReport) -> None:
+    # List only what is on the mirror now, byte for byte as the source had it, so a
+    # failed file is never advertised.
+    status = {r.path: r.status for r in report.results}
+    files = {
+        rel: (ident.size, ident.mtime_ns)
+        for rel, ident in listing.files.items()
+        if status.get(rel) in ("restored", "skipped")
+    }
+    links = {
+        rel: target
+        for rel, target in listing.symlinks.items()
+        if status.get(rel) in ("linked", "skipped")
+    }
+    manifest_mod.write(dst, files, links)
+
+
+def hydrate(
+    src: str | os.PathLike[str],
+    dst: str | os.PathLike[str],
+    *,
+    check: bool = True,
+    settings: Settings | None = None,
+    **overrides: Any,
+) -> TransferReport:
+    """Copy a model folder from a volume mirror to local disk, range-parallel.
+
+    ``overrides`` are settings by field name (``hydrate_workers=16``,
+    ``chunk_bytes="16M"``) and win over ``LOADERPLUG_*`` variables. With ``check`` (the
+    default) a job with failed files raises :class:`TransferFailed`, whose ``report``
+    says what happened to each file; every file that did land is published.
+    """
+    base = settings if settings is not None else from_env()
+    report = transfer(
+        "hydrate",
+        Path(src),
+        Path(dst),
+        base.replace(**overrides),
+        use_manifest=True,
+        write_manifest=False,
+    )
+    if check and not report.ok:
+        raise TransferFailed(report)
+    return report
+
+
+def sync(
+    local: str | os.PathLike[str],
+    mirror: str | os.PathLike[str],
+    *,
+    check: bool = True,
+    settings: Settings | None = None,
+    **overrides: Any,
+) -> TransferReport:
+    """Copy a local model folder to the mirror, then write the mirror's manifest last."""
+    base = settings if settings is not None else from_env()
+    report = transfer(
+        "sync",
+        Path(local),
+        Path(mirror),
+        base.replace(**overrides),
+        use_manifest=False,
+        write_manifest=True,
+    )
+    if check and not report.ok:
+        raise TransferFailed(report)
+    return report

@@ -1,0 +1,143 @@
+"""Shared fixtures: small synthetic models, fault-injecting plugins, real test mounts."""
+
+from __future__ import annotations
+
+import errno
+import os
+import subprocess
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from loaderplug.fs import IOPolicy
+from loaderplug.hookspecs import hookimpl
+from loaderplug.plugins import plugin_manager
+from loaderplug.source import Identity, PosixSource
+from loaderplug.testing.model import write_model
+
+# Small ranges so a few MiB exercise many spans per file; quick backoff.
+FAST = {
+    "chunk_bytes": "64K",
+    "split_threshold_bytes": "128K",
+    "hydrate_workers": 4,
+    "retry_base_ms": 1,
+    "retry_max_ms": 4,
+    "progress": False,
+}
+
+
+@pytest.fixture(autouse=True)
+def _clean_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in list(os.environ):
+        if name.startswith("LOADERPLUG_"):
+            monkeypatch.delenv(name)
+
+
+@pytest.fixture
+def model(tmp_path: Path) -> Path:
+    """A 4-shard, ~2 MiB safetensors model with an index and a config."""
+    folder = tmp_path / "mirror"
+    write_model(folder, 2 << 20, shards=4)
+    return folder
+
+
+def tree_bytes(root: Path) -> dict[str, bytes]:
+    """Every regular file under root (symlinks excluded), by relative path."""
+    return {
+        str(p.relative_to(root)): p.read_bytes()
+        for p in sorted(root.rglob("*"))
+        if p.is_file() and not p.is_symlink() and not p.name.startswith(".loaderplug")
+    }
+
+
+def leftover_temps(root: Path) -> list[Path]:
+    return [p for p in root.rglob("*.loaderplug-tmp")]
+
+
+class FaultySource:
+    """Wraps the built-in source; raises the plugin's planned errors on reads."""
+
+    def __init__(self, inner: PosixSource, plugin: FaultPlugin) -> None:
+        self.inner, self.plugin = inner, plugin
+
+    @property
+    def size(self) -> int:
+        return self.inner.size
+
+    def identity(self) -> Identity:
+        return self.inner.identity()
+
+    def pread_into(self, buf: memoryview, offset: int) -> int:
+        self.plugin.before_read(self.inner.path, offset)
+        return self.inner.pread_into(buf, offset)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+class FaultPlugin:
+    """Injects ``error`` on reads of files whose name contains ``match``.
+
+    ``times`` caps how many reads fail (None: every read); ``at_offset`` restricts
+    faults to reads at or past that offset.
+    """
+
+    def __init__(
+        self, error: int, match: str = "", times: int | None = None, at_offset: int = 0
+    ) -> None:
+        self.error, self.match, self.times, self.at_offset = error, match, times, at_offset
+        self.injected = 0
+        self.reads: list[tuple[str, int]] = []
+        self.hook: threading.Event | None = None
+        self._lock = threading.Lock()
+
+    def before_read(self, path: str, offset: int) -> None:
+        with self._lock:
+            self.reads.append((path, offset))
+            hit = self.match in path and offset >= self.at_offset
+            if hit and (self.times is None or self.injected < self.times):
+                self.injected += 1
+                raise OSError(self.error, os.strerror(self.error), path)
+
+    @hookimpl
+    def loaderplug_open_source(self, path: str, policy: IOPolicy) -> FaultySource | None:
+        # Other paths fall through to the next plugin (another FaultPlugin or the built-in).
+        return FaultySource(PosixSource(path, policy), self) if self.match in path else None
+
+
+@pytest.fixture
+def inject() -> Iterator[Callable[..., FaultPlugin]]:
+    """Register fault plugins for one test: ``plugin = inject(errno.EIO, "00002")``."""
+    registered: list[FaultPlugin] = []
+    pm = plugin_manager()
+
+    def make(*args: int | str | None, **kwargs: int | str | None) -> FaultPlugin:
+        plugin = FaultPlugin(*args, **kwargs)  # type: ignore[arg-type]
+        pm.register(plugin)
+        registered.append(plugin)
+        return plugin
+
+    yield make
+    for plugin in registered:
+        pm.unregister(plugin)
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path: Path) -> Iterator[Path]:
+    """A 4 MiB tmpfs, to run out of space for real."""
+    mnt = tmp_path / "tmpfs"
+    mnt.mkdir()
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)], capture_output=True
+    )
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs root): {done.stderr.decode().strip()}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+ENOMEM, EIO, EAGAIN, EACCES = errno.ENOMEM, errno.EIO, errno.EAGAIN, errno.EACCES

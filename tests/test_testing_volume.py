@@ -1,0 +1,311 @@
+"""Tests for the FUSE test volume (loaderplug.testing.volume)."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from loaderplug.testing.volume import (
+    FSTYPE,
+    Fault,
+    Replace,
+    TestVolume,
+    VolumeProfile,
+    fuse_unavailable_reason,
+    mounted,
+)
+
+MiB = 1024 * 1024
+
+needs_fuse = pytest.mark.skipif(
+    fuse_unavailable_reason() is not None,
+    reason=str(fuse_unavailable_reason()),
+)
+
+
+def _mount_types(mountpoint: Path) -> list[str]:
+    target = os.path.realpath(mountpoint)
+    with open("/proc/mounts", encoding="utf-8") as f:
+        rows = [line.split() for line in f]
+    return [r[2] for r in rows if len(r) > 2 and r[1] == target]
+
+
+def _write_random(path: Path, size: int) -> bytes:
+    data = os.urandom(size)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(data)
+    return data
+
+
+@pytest.fixture
+def dirs(tmp_path: Path) -> Iterator[tuple[Path, Path]]:
+    backing = tmp_path / "backing"
+    mnt = tmp_path / "mnt"
+    backing.mkdir()
+    mnt.mkdir()
+    yield backing, mnt
+    # A leaked mount would break tmp_path cleanup and every later test.
+    assert _mount_types(mnt) == []
+
+
+# -- no FUSE needed ---------------------------------------------------------
+
+
+def test_profile_json_roundtrip() -> None:
+    p = VolumeProfile(
+        per_stream_bytes_per_s=1.5 * MiB,
+        latency_s=0.01,
+        faults=(
+            Fault(errno.EIO, rate=0.5, path_glob="a*", limit=2),
+            Fault(errno.ENOMEM, max_inflight=4, after_bytes=10),
+        ),
+        replace=(Replace("x.bin", 5, "/tmp/y.bin"),),
+        seed=7,
+    )
+    assert VolumeProfile.from_json(p.to_json()) == p
+    for preset in (
+        VolumeProfile.network_volume(),
+        VolumeProfile.object_store(),
+        VolumeProfile.object_store(4),
+        VolumeProfile.unthrottled(),
+    ):
+        assert VolumeProfile.from_json(preset.to_json()) == preset
+    assert VolumeProfile.object_store(4).faults[0].max_inflight == 4
+    with pytest.raises(ValueError):
+        Fault(errno.EIO, rate=1.5)
+    with pytest.raises(ValueError):
+        Replace("x", 0, "relative/path")
+
+
+def test_unavailable_reason_is_str_or_none() -> None:
+    reason = fuse_unavailable_reason()
+    assert reason is None or (isinstance(reason, str) and reason)
+
+
+# -- FUSE -------------------------------------------------------------------
+
+
+@needs_fuse
+def test_passthrough_reads_writes_and_fstype(dirs: tuple[Path, Path]) -> None:
+    backing, mnt = dirs
+    data = _write_random(backing / "sub" / "model-0001.safetensors", 3 * MiB + 12345)
+    with mounted(backing, mnt) as vol:
+        assert _mount_types(mnt)[-1].startswith("fuse.")
+        assert _mount_types(mnt)[-1] == FSTYPE
+        assert os.listdir(mnt / "sub") == ["model-0001.safetensors"]
+        assert (mnt / "sub" / "model-0001.safetensors").read_bytes() == data
+        st_b = os.stat(backing / "sub" / "model-0001.safetensors")
+        st_m = os.stat(mnt / "sub" / "model-0001.safetensors")
+        assert (st_m.st_ino, st_m.st_size, st_m.st_mtime_ns) == (
+            st_b.st_ino,
+            st_b.st_size,
+            st_b.st_mtime_ns,
+        )
+        # Writes pass through to the backing folder.
+        (mnt / "out").mkdir()
+        (mnt / "out" / "w.bin").write_bytes(b"hello")
+        os.rename(mnt / "out" / "w.bin", mnt / "out" / "v.bin")
+        assert (backing / "out" / "v.bin").read_bytes() == b"hello"
+        s = vol.stats()
+        assert s["bytes_read"] >= len(data)
+        assert s["opens"] >= 2
+        assert s["faults_injected"] == 0
+    assert _mount_types(mnt) == []
+
+
+@needs_fuse
+def test_unmounts_on_error_and_with_open_files(dirs: tuple[Path, Path]) -> None:
+    backing, mnt = dirs
+    _write_random(backing / "f.bin", 4096)
+    held = None
+    with pytest.raises(RuntimeError, match="boom"), mounted(backing, mnt):
+        held = open(mnt / "f.bin", "rb")  # noqa: SIM115 - kept open on purpose
+        raise RuntimeError("boom")
+    assert _mount_types(mnt) == []
+    assert held is not None
+    # The server is gone: the stale handle errors instead of hanging.
+    with pytest.raises(OSError):
+        held.read()
+    with contextlib.suppress(OSError):
+        held.close()
+
+
+def _timed_reads(path: Path, ranges: list[tuple[int, int]], chunk: int = MiB) -> tuple[float, int]:
+    """Read each (offset, length) range on its own fd and thread."""
+    total = [0]
+    lock = threading.Lock()
+    start = threading.Barrier(len(ranges) + 1)
+
+    def worker(off: int, length: int) -> None:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            start.wait()
+            got = 0
+            while got < length:
+                b = os.pread(fd, min(chunk, length - got), off + got)
+                if not b:
+                    break
+                got += len(b)
+            with lock:
+                total[0] += got
+        finally:
+            os.close(fd)
+
+    threads = [threading.Thread(target=worker, args=r) for r in ranges]
+    for t in threads:
+        t.start()
+    start.wait()
+    t0 = time.monotonic()
+    for t in threads:
+        t.join()
+    return time.monotonic() - t0, total[0]
+
+
+@needs_fuse
+def test_per_stream_cap_and_parallel_scaling(dirs: tuple[Path, Path]) -> None:
+    backing, mnt = dirs
+    size = 8 * MiB
+    _write_random(backing / "big.bin", size)
+    profile = VolumeProfile(per_stream_bytes_per_s=40 * MiB)
+    with mounted(backing, mnt, profile) as vol:
+        one_s, one_n = _timed_reads(mnt / "big.bin", [(0, size)])
+        n = 8
+        part = size // n
+        par_s, par_n = _timed_reads(mnt / "big.bin", [(i * part, part) for i in range(n)])
+        stats = vol.stats()
+    assert one_n == size and par_n == size
+    one_tput = one_n / one_s / MiB
+    par_tput = par_n / par_s / MiB
+    print(
+        f"\n1 stream: {one_tput:.1f} MiB/s ({one_s:.3f}s); "
+        f"{n} streams: {par_tput:.1f} MiB/s ({par_s:.3f}s); "
+        f"max in-flight reads {stats['max_inflight_reads']}"
+    )
+    # 8 MiB at 40 MiB/s is 0.2 s; allow slack, never bound from above.
+    assert one_s >= 0.15
+    assert par_tput > 1.5 * one_tput
+    assert stats["max_inflight_reads"] > 1
+
+
+@needs_fuse
+@pytest.mark.parametrize("err", [errno.EIO, errno.ENOMEM, errno.EAGAIN, errno.EACCES])
+def test_fault_limit_injects_exactly_n(dirs: tuple[Path, Path], err: int) -> None:
+    backing, mnt = dirs
+    data = _write_random(backing / "model-0002.safetensors", 64 * 1024)
+    _write_random(backing / "other.bin", 4096)
+    profile = VolumeProfile(faults=(Fault(err, path_glob="model-0002*.safetensors", limit=3),))
+    with mounted(backing, mnt, profile) as vol:
+        # A non-matching file is never faulted.
+        assert len((mnt / "other.bin").read_bytes()) == 4096
+        fd = os.open(mnt / "model-0002.safetensors", os.O_RDONLY)
+        failures: list[int | None] = []
+        try:
+            for i in range(10):
+                try:
+                    got = os.pread(fd, 4096, i * 4096)
+                    assert got == data[i * 4096 : (i + 1) * 4096]
+                except OSError as e:
+                    failures.append(e.errno)
+        finally:
+            os.close(fd)
+        stats = vol.stats()
+    assert failures == [err] * 3
+    assert stats["faults_injected"] == 3
+
+
+@needs_fuse
+def test_fault_after_bytes_gives_short_read(dirs: tuple[Path, Path]) -> None:
+    backing, mnt = dirs
+    data = _write_random(backing / "f.bin", 2 * MiB)
+    profile = VolumeProfile(faults=(Fault(errno.EIO, after_bytes=MiB),))
+    with mounted(backing, mnt, profile):
+        fd = os.open(mnt / "f.bin", os.O_RDONLY)
+        try:
+            assert os.pread(fd, 4096, 0) == data[:4096]
+            with pytest.raises(OSError) as exc:
+                os.pread(fd, 4096, MiB)
+            assert exc.value.errno == errno.EIO
+            # The kernel splits a large pread into requests; a failure after
+            # the first one surfaces as a short read, not an exception.
+            got = os.pread(fd, 2 * MiB, 0)
+            assert MiB <= len(got) < 2 * MiB
+            assert got == data[: len(got)]
+        finally:
+            os.close(fd)
+
+
+@needs_fuse
+def test_max_inflight_fault_only_under_concurrency(dirs: tuple[Path, Path]) -> None:
+    backing, mnt = dirs
+    _write_random(backing / "f.bin", MiB)
+    profile = VolumeProfile(latency_s=0.05, faults=(Fault(errno.ENOMEM, max_inflight=2),))
+    with mounted(backing, mnt, profile) as vol:
+        fd = os.open(mnt / "f.bin", os.O_RDONLY)
+        try:
+            for i in range(5):
+                assert len(os.pread(fd, 4096, i * 4096)) == 4096
+        finally:
+            os.close(fd)
+        assert vol.stats()["faults_injected"] == 0
+
+        errors: list[int | None] = []
+        lock = threading.Lock()
+        barrier = threading.Barrier(8)
+
+        def worker(i: int) -> None:
+            wfd = os.open(mnt / "f.bin", os.O_RDONLY)
+            try:
+                barrier.wait()
+                os.pread(wfd, 4096, i * 4096)
+            except OSError as e:
+                with lock:
+                    errors.append(e.errno)
+            finally:
+                os.close(wfd)
+
+        threads = [threading.Thread(target=worker, args=(i,)) for i in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        stats = vol.stats()
+    print(f"\nENOMEM under 8 concurrent reads: {len(errors)}; stats {stats}")
+    assert errors and set(errors) == {errno.ENOMEM}
+    assert stats["faults_injected"] == len(errors)
+    assert stats["max_inflight_reads"] > 2
+
+
+@needs_fuse
+def test_replace_mid_read(dirs: tuple[Path, Path], tmp_path: Path) -> None:
+    backing, mnt = dirs
+    old = _write_random(backing / "m.bin", MiB)
+    new = _write_random(tmp_path / "staged" / "m-new.bin", 2 * MiB)
+    profile = VolumeProfile(
+        replace=(Replace("m.bin", 256 * 1024, str(tmp_path / "staged" / "m-new.bin")),)
+    )
+    with mounted(backing, mnt, profile) as vol:
+        fd = os.open(mnt / "m.bin", os.O_RDONLY)
+        try:
+            before = os.fstat(fd)
+            assert os.pread(fd, 256 * 1024, 0) == old[: 256 * 1024]
+            # The threshold was reached: the same handle now reads the new file.
+            assert os.pread(fd, 4096, 256 * 1024) == new[256 * 1024 : 260 * 1024]
+            assert os.pread(fd, 4096, MiB + 4096) == new[MiB + 4096 : MiB + 8192]
+            after = os.fstat(fd)
+        finally:
+            os.close(fd)
+        by_path = os.stat(mnt / "m.bin")
+        assert isinstance(vol, TestVolume)
+        assert vol.stats()["replacements"] == 1
+    assert before.st_size == MiB
+    assert after.st_size == by_path.st_size == 2 * MiB
+    assert after.st_ino != before.st_ino
+    assert by_path.st_ino == after.st_ino
+    assert (backing / "m.bin").read_bytes() == new
