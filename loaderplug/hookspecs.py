@@ -10,7 +10,7 @@ threads: keep them quick and thread-safe.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import pluggy
 
@@ -71,11 +71,6 @@ def loaderplug_on_range_done(job: str, path: str, offset: int, length: int, retr
 @hookspec
 def loaderplug_on_file_done(job: str, result: FileResult) -> None:
     """A file was published, skipped or failed."""
-
-
-@hookspec
-def loaderplug_on_tensor_ready(path: str, name: str, tensor: Any) -> None:
-    """A tensor's last byte landed and it is on its device."""
 
 
 @hookspec

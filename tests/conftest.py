@@ -16,6 +16,7 @@ from loaderplug.hookspecs import hookimpl
 from loaderplug.plugins import plugin_manager
 from loaderplug.source import Identity, PosixSource
 from loaderplug.testing.model import write_model
+from loaderplug.tree import is_own_name
 
 # Small ranges so a few MiB exercise many spans per file; quick backoff.
 FAST = {
@@ -48,7 +49,7 @@ def tree_bytes(root: Path) -> dict[str, bytes]:
     return {
         str(p.relative_to(root)): p.read_bytes()
         for p in sorted(root.rglob("*"))
-        if p.is_file() and not p.is_symlink() and not p.name.startswith(".loaderplug")
+        if p.is_file() and not p.is_symlink() and not is_own_name(p.name)
     }
 
 

@@ -38,7 +38,13 @@ def test_small_files_are_one_whole_span() -> None:
 def test_spans_interleave_across_files_offset_major() -> None:
     spans = list(plan([3000, 1000, 2500], 1000, split_threshold=1))
     assert [(s.file, s.offset) for s in spans] == [
-        (0, 0), (1, 0), (2, 0), (0, 1000), (2, 1000), (0, 2000), (2, 2000)
+        (0, 0),
+        (1, 0),
+        (2, 0),
+        (0, 1000),
+        (2, 1000),
+        (0, 2000),
+        (2, 2000),
     ]
 
 

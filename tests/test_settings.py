@@ -10,7 +10,11 @@ from loaderplug.settings import GiB, MiB, from_env
 
 def test_defaults() -> None:
     s = from_env({})
-    assert (s.hydrate_workers, s.bytes_in_flight, s.effective_chunk_bytes) == (8, 512 * MiB, 64 * MiB)
+    assert (s.hydrate_workers, s.bytes_in_flight, s.effective_chunk_bytes) == (
+        8,
+        512 * MiB,
+        64 * MiB,
+    )
     assert s.effective_workers == 8
     assert s.fsync is True and s.chunk_bytes is None
     assert all(src == "default" for src in s.sources.values())
@@ -34,8 +38,16 @@ def test_explicit_chunk_is_never_rescaled_and_the_budget_limits_workers() -> Non
 
 @pytest.mark.parametrize(
     ("raw", "expected"),
-    [("64M", 64 * MiB), ("64MiB", 64 * MiB), ("1GiB", GiB), ("1g", GiB), ("512k", 512 * 1024),
-     ("4096", 4096), ("8MB", 8 * MiB), (" 2 G ", 2 * GiB)],
+    [
+        ("64M", 64 * MiB),
+        ("64MiB", 64 * MiB),
+        ("1GiB", GiB),
+        ("1g", GiB),
+        ("512k", 512 * 1024),
+        ("4096", 4096),
+        ("8MB", 8 * MiB),
+        (" 2 G ", 2 * GiB),
+    ],
 )
 def test_sizes_accept_binary_suffixes(raw: str, expected: int) -> None:
     assert from_env({"LOADERPLUG_CHUNK_BYTES": raw}).chunk_bytes == expected
@@ -88,7 +100,9 @@ def test_bool_is_rejected_for_a_size() -> None:
         from_env({}, chunk_bytes=True)
 
 
-@pytest.mark.parametrize(("raw", "value"), [("1", True), ("off", False), ("Yes", True), ("0", False)])
+@pytest.mark.parametrize(
+    ("raw", "value"), [("1", True), ("off", False), ("Yes", True), ("0", False)]
+)
 def test_booleans(raw: str, value: bool) -> None:
     assert from_env({"LOADERPLUG_FSYNC": raw}).fsync is value
 

@@ -73,7 +73,10 @@ def write_model(
         for tensor in _write_shard(path, sizes, shard * tensors_per_shard, seed + shard):
             weight_map[tensor] = name
         paths.append(path)
-    index = {"metadata": {"total_size": sum(p.stat().st_size for p in paths)}, "weight_map": weight_map}
+    index = {
+        "metadata": {"total_size": sum(p.stat().st_size for p in paths)},
+        "weight_map": weight_map,
+    }
     (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
     (folder / "config.json").write_text(json.dumps({"model_type": "synthetic"}))
     return paths

@@ -23,6 +23,13 @@ Gotchas (measured on Linux 6.x with libfuse 3.14, see the module tests):
   short read, not as an exception; only a fault on the first chunk raises.
 * ``per_stream_bytes_per_s`` is per open file handle: threads sharing one fd
   share one stream's bandwidth. Open one fd per worker to get parallel streams.
+* At most ``_FUSE_MAX_THREADS`` (64) requests are served at once (libfuse 3's
+  default of 10 is raised via ``-o max_threads``); more wait in the kernel.
+* Unlinks are real (``hard_remove``): no ``.fuse_hidden*`` files appear in the
+  backing folder, but ``fstat`` on an open-then-unlinked file fails with
+  ESTALE (reads and writes on it keep working).
+* A client's ``O_DIRECT`` is honoured by the mount (it is direct_io anyway)
+  but stripped when opening the backing file.
 """
 
 from __future__ import annotations
@@ -45,7 +52,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
@@ -238,7 +245,9 @@ class _VolumeOps:
 
     use_ns = True  # utimens gets integer nanoseconds
 
-    def __init__(self, backing: str, profile: VolumeProfile, on_init: Any = None) -> None:
+    def __init__(
+        self, backing: str, profile: VolumeProfile, on_init: Callable[[], None] | None = None
+    ) -> None:
         self._root = os.path.realpath(backing)
         self._profile = profile
         self._on_init = on_init
@@ -343,7 +352,12 @@ class _VolumeOps:
             for i in due:
                 self._replace_done[i] = True
         for i in due:
-            self._do_replace(self._profile.replace[i])
+            try:
+                self._do_replace(self._profile.replace[i])
+            except OSError as e:
+                # The bytes were already read: report on stderr (shown if
+                # the test fails) rather than failing this read request.
+                print(f"testvol: Replace {self._profile.replace[i]} failed: {e}", file=sys.stderr)
 
     def _do_replace(self, r: Replace) -> None:
         rel = _norm_rel(r.path)
@@ -373,6 +387,7 @@ class _VolumeOps:
             config.negative_timeout = 0.0
             config.attr_timeout = 0.0
             config.use_ino = 1  # report the backing file's real st_ino
+            config.hard_remove = 1
             config.readdir_ino = 1
             config.direct_io = 1  # bypass the page cache (see module doc)
             config.kernel_cache = 0
@@ -385,8 +400,19 @@ class _VolumeOps:
 
     # -- metadata ---------------------------------------------------------
 
-    def getattr(self, path: str, fh: int | None = None) -> dict[str, Any]:
-        st = os.lstat(self._full(path))
+    def getattr(self, path: str | None, fh: int | None = None) -> dict[str, Any]:
+        # By path first, so a replaced file shows its new inode/size/mtime
+        # even through an old handle; an unlinked-but-open file (hard_remove
+        # gives path None) falls back to the handle's own fd.
+        try:
+            if path is None:
+                raise FileNotFoundError(errno_mod.ENOENT, "unlinked")
+            st = os.lstat(self._full(path))
+        except FileNotFoundError:
+            h = self._handles.get(fh) if fh is not None else None
+            if h is None:
+                raise
+            st = os.fstat(h.fd)
         return {
             "st_mode": st.st_mode,
             "st_ino": st.st_ino,
@@ -688,6 +714,9 @@ def _serve(argv: list[str] | None = None) -> int:
         negative_timeout=0,
         use_ino=True,
         direct_io=True,
+        # Unlink for real, even while open: libfuse's default renames such
+        # files to .fuse_hidden* in the backing folder instead.
+        hard_remove=True,
         max_threads=args.max_threads,
         max_idle_threads=args.max_threads,
     )
@@ -940,10 +969,17 @@ def mounted(
         try:
             ready = channel.read_json(timeout_s)
             if ready is None or not ready.get("ready") or _mount_fstype(mp) != FSTYPE:
-                code = proc.poll()
+                # EOF usually means the server died: reap it for the message.
+                with suppress(subprocess.TimeoutExpired):
+                    proc.wait(timeout=1.0)
+                state = (
+                    f"server exited with code {proc.returncode}"
+                    if proc.returncode is not None
+                    else f"server still running after {timeout_s}s"
+                )
                 raise RuntimeError(
-                    f"test volume did not come up at {mp} within {timeout_s}s "
-                    f"(server exit code {code}, mount type {_mount_fstype(mp)}); "
+                    f"test volume did not come up at {mp} ({state}, "
+                    f"mount type {_mount_fstype(mp)}, wanted {FSTYPE}); "
                     f"server stderr:\n{_stderr_tail(err)}"
                 )
             yield TestVolume(mountpoint, backing, profile, proc, channel)

@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Install what the tests need (fuse3 for the test volume, the `test` extra), then run
+# the linters and the test suite. Safe to run again.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+if ! command -v fusermount3 >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; then
+  sudo_cmd=""
+  [ "$(id -u)" -eq 0 ] || sudo_cmd="sudo"
+  $sudo_cmd apt-get update -qq
+  $sudo_cmd apt-get install -y -qq fuse3 >/dev/null
+fi
+python -m pip install -q -e '.[test]'
+
+ruff check .
+ruff format --check .
+mypy
+python -m pytest -q "$@"

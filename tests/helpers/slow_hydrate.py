@@ -1,0 +1,34 @@
+"""Run ``loaderplug`` with every read slowed down, so a test can interrupt it mid-copy.
+
+Usage: python slow_hydrate.py DELAY_S loaderplug-args...
+The delay comes from a plugin on the ``loaderplug_open_source`` hook, the same seam a
+third-party backend would use.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+from loaderplug.cli import main
+from loaderplug.fs import IOPolicy
+from loaderplug.hookspecs import hookimpl
+from loaderplug.plugins import plugin_manager
+from loaderplug.source import PosixSource
+
+
+class SlowSource(PosixSource):
+    def pread_into(self, buf: memoryview, offset: int) -> int:
+        time.sleep(DELAY_S)
+        return super().pread_into(buf, offset)
+
+
+class SlowPlugin:
+    @hookimpl
+    def loaderplug_open_source(self, path: str, policy: IOPolicy) -> SlowSource:
+        return SlowSource(path, policy)
+
+
+DELAY_S = float(sys.argv[1])
+plugin_manager().register(SlowPlugin())
+sys.exit(main(sys.argv[2:]))

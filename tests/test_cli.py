@@ -1,0 +1,90 @@
+"""The ``loaderplug`` command as a user runs it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.conftest import tree_bytes
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "loaderplug", *args],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO), **(env or {})},
+        timeout=120,
+    )
+
+
+def test_hydrate_prints_a_report_and_exits_zero(model: Path, tmp_path: Path) -> None:
+    done = run("hydrate", "--from", str(model), "--to", str(tmp_path / "l"), "--workers", "32")
+    assert done.returncode == 0, done.stderr
+    assert "6 restored" in done.stdout and "32 workers x 16 MiB" in done.stdout
+    assert tree_bytes(tmp_path / "l") == tree_bytes(model)
+
+
+def test_json_report(model: Path, tmp_path: Path) -> None:
+    done = run(
+        "hydrate",
+        "--from",
+        str(model),
+        "--to",
+        str(tmp_path / "l"),
+        "--chunk-bytes",
+        "64K",
+        "--bytes-in-flight",
+        "256K",
+        "--json",
+    )
+    report = json.loads(done.stdout)
+    assert report["restored"] == 6 and report["failed"] == 0
+    assert report["workers"] == 4 and report["chunk_bytes"] == 65536
+    assert report["bytes_copied"] == sum(len(b) for b in tree_bytes(model).values())
+
+
+def test_failed_file_exits_non_zero_and_names_it(model: Path, tmp_path: Path) -> None:
+    (model / "escape").symlink_to("../../etc")
+    done = run("hydrate", "--from", str(model), "--to", str(tmp_path / "l"))
+    assert done.returncode == 1
+    assert "FAILED escape: symlink to ../../etc escapes the tree" in done.stdout
+
+
+def test_bad_setting_exits_2_with_the_message(model: Path, tmp_path: Path) -> None:
+    done = run(
+        "hydrate",
+        "--from",
+        str(model),
+        "--to",
+        str(tmp_path / "l"),
+        env={"LOADERPLUG_BYTES_IN_FLIGHT": "lots"},
+    )
+    assert done.returncode == 2
+    assert "LOADERPLUG_BYTES_IN_FLIGHT='lots' is invalid" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_sync_then_hydrate(model: Path, tmp_path: Path) -> None:
+    assert run("sync", "--from", str(model), "--to", str(tmp_path / "m")).returncode == 0
+    done = run("hydrate", "--from", str(tmp_path / "m"), "--to", str(tmp_path / "l"))
+    assert done.returncode == 0
+    assert tree_bytes(tmp_path / "l") == tree_bytes(model)
+
+
+def test_second_run_says_nothing_to_do(model: Path, tmp_path: Path) -> None:
+    run("hydrate", "--from", str(model), "--to", str(tmp_path / "l"))
+    done = run("hydrate", "--from", str(model), "--to", str(tmp_path / "l"))
+    assert "nothing to do" in done.stdout and "6 skipped" in done.stdout
+
+
+def test_demo_runs_and_verifies_its_copy() -> None:
+    done = run("demo", "--size-mib", "16")
+    assert done.returncode == 0, done.stderr
+    assert "restored files byte-identical to the mirror: yes" in done.stdout
+    assert "nothing to do" in done.stdout

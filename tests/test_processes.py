@@ -1,0 +1,109 @@
+"""Real processes: Ctrl-C, kill -9 and four ranks hydrating one destination at once."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from loaderplug import hydrate
+from tests.conftest import FAST, leftover_temps, tree_bytes
+
+HELPER = Path(__file__).parent / "helpers" / "slow_hydrate.py"
+REPO = Path(__file__).resolve().parent.parent
+
+
+def start(src: Path, dst: Path, delay_s: float, *extra: str) -> subprocess.Popen[str]:
+    args = ["hydrate", "--from", str(src), "--to", str(dst), "--chunk-bytes", "64K", *extra]
+    return subprocess.Popen(
+        [sys.executable, str(HELPER), str(delay_s), *args],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={
+            "PATH": "/usr/bin:/bin",
+            "LOADERPLUG_PROGRESS": "0",
+            "LOADERPLUG_SPLIT_THRESHOLD_BYTES": "128K",
+            "PYTHONPATH": str(REPO),
+        },
+    )
+
+
+def wait_for_temps(dst: Path, proc: subprocess.Popen[str], timeout_s: float = 20) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if dst.exists() and leftover_temps(dst):
+            return
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.02)
+    raise AssertionError("the hydrate never started copying")
+
+
+def published_files_are_complete(src: Path, dst: Path) -> None:
+    source = tree_bytes(src)
+    for rel, data in tree_bytes(dst).items():
+        assert data == source[rel], f"{rel} was published incomplete"
+
+
+def test_sigint_stops_within_about_one_range_and_cleans_up(model: Path, tmp_path: Path) -> None:
+    dst = tmp_path / "local"
+    proc = start(model, dst, 0.2)
+    wait_for_temps(dst, proc)
+    sent = time.monotonic()
+    proc.send_signal(signal.SIGINT)
+    _out, err = proc.communicate(timeout=30)
+    stopped_after = time.monotonic() - sent
+    assert proc.returncode == 130, err
+    assert "interrupted" in err and "Traceback" not in err
+    assert leftover_temps(dst) == []
+    published_files_are_complete(model, dst)
+    assert len(tree_bytes(dst)) < len(tree_bytes(model))  # it really was stopped mid-way
+    print(f"stopped {stopped_after:.2f} s after SIGINT (one range takes 0.2 s)")
+
+
+def test_sigterm_cleans_up_like_ctrl_c(model: Path, tmp_path: Path) -> None:
+    dst = tmp_path / "local"
+    proc = start(model, dst, 0.2)
+    wait_for_temps(dst, proc)
+    proc.terminate()
+    proc.communicate(timeout=30)
+    assert proc.returncode == 130
+    assert leftover_temps(dst) == []
+
+
+def test_kill_9_then_a_second_hydrate_completes_without_temp_files(
+    model: Path, tmp_path: Path
+) -> None:
+    dst = tmp_path / "local"
+    proc = start(model, dst, 0.2)
+    wait_for_temps(dst, proc)
+    proc.kill()
+    proc.communicate(timeout=30)
+    assert leftover_temps(dst), "kill -9 cannot clean up; the next run must"
+    published_files_are_complete(model, dst)
+    report = hydrate(model, dst, **FAST)
+    assert report.ok
+    assert tree_bytes(dst) == tree_bytes(model)
+    assert leftover_temps(dst) == []
+
+
+def test_four_processes_hydrating_one_destination_copy_each_file_once(
+    model: Path, tmp_path: Path
+) -> None:
+    dst = tmp_path / "local"
+    procs = [start(model, dst, 0.01, "--json") for _ in range(4)]
+    reports = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=120)
+        assert proc.returncode == 0, err
+        reports.append(json.loads(out))
+    restored = [r["path"] for rep in reports for r in rep["results"] if r["status"] == "restored"]
+    assert sorted(restored) == sorted(tree_bytes(model))  # every file exactly once
+    assert sum(1 for rep in reports if rep["restored"]) == 1
+    assert all(rep["skipped"] == len(tree_bytes(model)) for rep in reports if not rep["restored"])
+    assert tree_bytes(dst) == tree_bytes(model)
+    assert leftover_temps(dst) == []
