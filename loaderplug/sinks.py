@@ -8,6 +8,7 @@ either committed (every range landed and the source held still) or aborted. The
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import secrets
@@ -109,7 +110,5 @@ class FileSink:
             fsync_dir(self.dst.parent)
 
     def abort(self) -> None:
-        try:
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(self.temp)
-        except FileNotFoundError:
-            pass

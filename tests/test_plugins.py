@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -119,7 +120,7 @@ def test_loaderplug_on_range_done(model: Path, tmp_path: Path, register) -> None
     for rel, data in tree_bytes(model).items():
         spans = sorted(ranges[rel])
         assert spans[0][0] == 0 and spans[-1][1] == len(data)
-        assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
+        assert all(a[1] == b[0] for a, b in itertools.pairwise(spans))
     assert len(ranges["model-00001-of-00004.safetensors"]) > 1
 
 

@@ -124,7 +124,7 @@ def test_manifest_paths_that_escape_are_refused(model: Path, tmp_path: Path, bad
 
 def test_malformed_manifest_is_a_clear_error(model: Path, tmp_path: Path) -> None:
     (model / MANIFEST_NAME).write_text("{not json")
-    with pytest.raises(MirrorError, match="is malformed .* run `loaderplug sync` again"):
+    with pytest.raises(MirrorError, match=r"is malformed .* run `loaderplug sync` again"):
         hydrate(model, tmp_path / "local", **FAST)
 
 

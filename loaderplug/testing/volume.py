@@ -432,7 +432,10 @@ class _VolumeOps:
         entries: list[Any] = [".", ".."]
         with os.scandir(self._full(path)) as it:
             for e in it:
-                mode = e.stat(follow_symlinks=False).st_mode
+                try:
+                    mode = e.stat(follow_symlinks=False).st_mode
+                except FileNotFoundError:
+                    continue  # removed while listing
                 entries.append((e.name, {"st_mode": mode, "st_ino": e.inode()}, 0))
         return entries
 
@@ -535,7 +538,7 @@ class _VolumeOps:
         fd = os.open(self._full(path), flags | os.O_CREAT, mode)
         return self._new_handle(fd, path, flags)
 
-    def read(self, path: str, size: int, offset: int, fh: int) -> bytes:
+    def read(self, path: str | None, size: int, offset: int, fh: int) -> bytes:
         h = self._handle(fh)
         latency = self._profile.latency_s
         with self._lock:
@@ -569,7 +572,7 @@ class _VolumeOps:
             with self._lock:
                 self._inflight -= 1
 
-    def write(self, path: str, data: bytes, offset: int, fh: int) -> int:
+    def write(self, path: str | None, data: bytes, offset: int, fh: int) -> int:
         h = self._handle(fh)
         n = os.pwrite(self._current_fd(h), data, offset)
         with self._lock:
@@ -577,10 +580,10 @@ class _VolumeOps:
             self._counters["bytes_written"] += n
         return n
 
-    def flush(self, path: str, fh: int) -> int:
+    def flush(self, path: str | None, fh: int) -> int:
         return 0
 
-    def fsync(self, path: str, datasync: int, fh: int) -> int:
+    def fsync(self, path: str | None, datasync: int, fh: int) -> int:
         fd = self._handle(fh).fd
         if datasync:
             os.fdatasync(fd)
@@ -588,7 +591,7 @@ class _VolumeOps:
             os.fsync(fd)
         return 0
 
-    def release(self, path: str, fh: int) -> int:
+    def release(self, path: str | None, fh: int) -> int:
         with self._lock:
             h = self._handles.pop(fh, None)
         if h is not None:
