@@ -1,0 +1,156 @@
+"""Hydrate from the FUSE test volume: a real, slow, faulty network mount."""
+
+from __future__ import annotations
+
+import errno
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from loaderplug import hydrate, io_policy
+from loaderplug.testing.model import write_model
+from loaderplug.testing.volume import (
+    Fault,
+    Replace,
+    TestVolume,
+    VolumeProfile,
+    fuse_unavailable_reason,
+    mounted,
+)
+from tests.conftest import FAST, leftover_temps, tree_bytes
+
+pytestmark = pytest.mark.skipif(
+    fuse_unavailable_reason() is not None, reason=f"FUSE: {fuse_unavailable_reason()}"
+)
+MiB = 1 << 20
+SHARD2 = "model-00002-of-00004.safetensors"
+
+
+@pytest.fixture
+def backing(tmp_path: Path) -> Path:
+    folder = tmp_path / "backing"
+    write_model(folder, 4 * MiB, shards=4)
+    return folder
+
+
+@pytest.fixture
+def volume(backing: Path, tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[TestVolume]:
+    profile = getattr(request, "param", VolumeProfile(per_stream_bytes_per_s=64 * MiB))
+    (tmp_path / "mnt").mkdir()
+    with mounted(backing, tmp_path / "mnt", profile) as vol:
+        yield vol
+
+
+def test_a_fuse_mirror_is_read_buffered(volume: TestVolume) -> None:
+    policy = io_policy(str(volume.mountpoint / SHARD2))
+    assert policy.fs_type.startswith("fuse.") and not policy.direct
+
+
+@pytest.mark.parametrize(
+    "volume",
+    [VolumeProfile(faults=(Fault(errno.ENOMEM, max_inflight=2),))],
+    indirect=True,
+)
+def test_enomem_storm_under_load_is_retried_and_bytes_are_identical(
+    volume: TestVolume, backing: Path, tmp_path: Path
+) -> None:
+    report = hydrate(volume.mountpoint, tmp_path / "local", **{**FAST, "hydrate_workers": 8})
+    assert volume.stats()["faults_injected"] > 0
+    assert report.retries > 0 and report.ok
+    assert tree_bytes(tmp_path / "local") == tree_bytes(backing)
+
+
+@pytest.mark.parametrize(
+    "volume",
+    [
+        VolumeProfile(
+            faults=(
+                Fault(errno.EIO, path_glob=SHARD2, limit=5),
+                Fault(errno.EAGAIN, path_glob="config.json", limit=2),
+            )
+        )
+    ],
+    indirect=True,
+)
+def test_counted_transient_faults_are_retried(
+    volume: TestVolume, backing: Path, tmp_path: Path
+) -> None:
+    report = hydrate(volume.mountpoint, tmp_path / "local", **FAST)
+    assert volume.stats()["faults_injected"] == 7
+    assert report.ok and report.retries >= 1
+    assert tree_bytes(tmp_path / "local") == tree_bytes(backing)
+
+
+@pytest.mark.parametrize(
+    "volume",
+    [VolumeProfile(faults=(Fault(errno.EACCES, path_glob=SHARD2, after_bytes=MiB // 2),))],
+    indirect=True,
+)
+def test_a_non_transient_fault_fails_that_file_only(
+    volume: TestVolume, backing: Path, tmp_path: Path
+) -> None:
+    report = hydrate(volume.mountpoint, tmp_path / "local", check=False, **FAST)
+    assert [r.path for r in report.failed] == [SHARD2]
+    assert report.failed[0].errno == errno.EACCES
+    local = tree_bytes(tmp_path / "local")
+    assert SHARD2 not in local and len(local) == 5
+    assert leftover_temps(tmp_path / "local") == []
+
+
+def replaced_volume(backing: Path, tmp_path: Path, new_bytes: bytes) -> VolumeProfile:
+    staged = tmp_path / "staged.bin"
+    staged.write_bytes(new_bytes)
+    return VolumeProfile(
+        per_stream_bytes_per_s=16 * MiB,
+        replace=(Replace(SHARD2, after_bytes=256 * 1024, with_file=str(staged)),),
+    )
+
+
+@pytest.mark.parametrize("new_size", ["same", "truncated"])
+def test_a_source_replaced_mid_hydrate_is_refused(
+    backing: Path, tmp_path: Path, new_size: str
+) -> None:
+    original = (backing / SHARD2).read_bytes()
+    new = bytes(len(original)) if new_size == "same" else original[: len(original) // 3]
+    (tmp_path / "mnt").mkdir()
+    local = tmp_path / "local"
+    local.mkdir()
+    # An older good copy is already local: a refused update must not touch it.
+    (local / SHARD2).write_bytes(b"older good copy")
+    with mounted(backing, tmp_path / "mnt", replaced_volume(backing, tmp_path, new)) as vol:
+        report = hydrate(vol.mountpoint, local, check=False, **FAST)
+        assert vol.stats()["replacements"] == 1
+    assert [r.path for r in report.failed] == [SHARD2]
+    assert "source changed while being copied" in report.failed[0].reason
+    assert (local / SHARD2).read_bytes() == b"older good copy"
+    assert leftover_temps(local) == []
+    assert len(report.restored) == 5
+
+
+def test_a_mirror_file_truncated_after_sync_is_refused(backing: Path, tmp_path: Path) -> None:
+    from loaderplug import sync
+
+    mirror_backing = tmp_path / "mirror-backing"
+    sync(backing, mirror_backing, **FAST)
+    shard = mirror_backing / SHARD2
+    shard.write_bytes(shard.read_bytes()[:1000])  # an interrupted upload
+    (tmp_path / "mnt").mkdir()
+    with mounted(mirror_backing, tmp_path / "mnt") as vol:
+        report = hydrate(vol.mountpoint, tmp_path / "local", check=False, **FAST)
+    assert [r.path for r in report.failed] == [SHARD2]
+    assert "disagrees with its manifest" in report.failed[0].reason
+    assert not (tmp_path / "local" / SHARD2).exists()
+
+
+def test_sync_to_a_fuse_mirror_then_hydrate(backing: Path, tmp_path: Path) -> None:
+    from loaderplug import sync
+
+    (tmp_path / "mnt").mkdir()
+    (tmp_path / "mirror").mkdir()
+    with mounted(tmp_path / "mirror", tmp_path / "mnt") as vol:
+        sync(backing, vol.mountpoint / "m", **FAST)
+        hydrate(vol.mountpoint / "m", tmp_path / "local", **FAST)
+    assert tree_bytes(tmp_path / "local") == tree_bytes(backing)
+    shutil.rmtree(tmp_path / "local")
