@@ -153,6 +153,8 @@ class Engine:
     def run(self, files: Sequence[FileJob]) -> list[FileResult]:
         """Copy every file; returns one result per file. Re-raises KeyboardInterrupt."""
         threshold = self.settings.split_threshold_bytes
+        self.chunk = self.settings.chunk_for_job(sum(f.size for f in files))
+        self.workers = self.settings.workers_for_chunk(self.chunk)
         for job in files:
             job._remaining = count_spans(job.size, self.chunk, threshold)
         self._files = files

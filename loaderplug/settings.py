@@ -192,11 +192,28 @@ class Settings:
         share = min(64 * MiB, self.bytes_in_flight // self.hydrate_workers)
         return max(4 * KiB, share // (4 * KiB) * (4 * KiB))
 
+    def chunk_for_job(self, total_bytes: int) -> int:
+        """The range size for a job of ``total_bytes``.
+
+        A derived chunk also shrinks for small jobs, so that every worker gets about
+        four ranges: on a volume with a per-stream cap, four 64 MiB ranges of a 256 MiB
+        model would leave half of eight workers idle. It never goes below 4 MiB, where
+        per-request overhead starts to dominate. An explicit chunk is used as is.
+        """
+        chunk = self.effective_chunk_bytes
+        if self.chunk_bytes is not None:
+            return chunk
+        per_worker = -(-total_bytes // (self.hydrate_workers * 4))
+        fitted = max(4 * MiB, -(-per_worker // MiB) * MiB)
+        return min(chunk, fitted)
+
+    def workers_for_chunk(self, chunk: int) -> int:
+        """Workers that may run at once without exceeding the bytes-in-flight budget."""
+        return min(self.hydrate_workers, max(1, self.bytes_in_flight // chunk))
+
     @property
     def effective_workers(self) -> int:
-        """Workers that may run at once without exceeding the bytes-in-flight budget."""
-        fit = max(1, self.bytes_in_flight // self.effective_chunk_bytes)
-        return min(self.hydrate_workers, fit)
+        return self.workers_for_chunk(self.effective_chunk_bytes)
 
     def replace(self, **overrides: Any) -> Settings:
         """A copy with ``overrides`` (by field name) applied and checked."""

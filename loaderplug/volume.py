@@ -157,8 +157,9 @@ def transfer(
     if src.resolve() == dst.resolve():
         raise MirrorError(f"{job} source and destination are the same folder: {src}")
     pm = plugin_manager(settings.disable_plugins)
-    chunk = settings.effective_chunk_bytes
-    report = TransferReport(job, str(src), str(dst), settings.effective_workers, chunk)
+    report = TransferReport(
+        job, str(src), str(dst), settings.effective_workers, settings.effective_chunk_bytes
+    )
     with locked(dst, settings.lock_timeout_s) as waited:
         report.waited_for_lock_s = waited
         # We hold the lock, so any temp file here belongs to a run that died.
@@ -189,6 +190,7 @@ def transfer(
             report.results.append(FileResult(rel, "failed", reason=reason))
         if write_manifest:
             _write_manifest(dst, listing, report)
+        report.workers, report.chunk_bytes = engine.workers, engine.chunk
         report.bytes_copied = engine.bytes_copied
         report.retries = engine.retries
         report.seconds = time.monotonic() - started

@@ -1,0 +1,249 @@
+"""Hydrate from an object-store-like volume: loaderplug against the tools users pick.
+
+One run, contenders alternating round by round (A, B, C, D, then B, C, D, A, ...), each
+in its own process so its wall time and peak RSS are its own:
+
+* probe       parallel disjoint 8 MiB range reads of every file, discarded: the mount's limit
+* loaderplug  ``loaderplug hydrate`` with default settings, fsync included
+* runpod      the ``runpod`` package's ``VolumeCache.hydrate`` (whole-file parallel copies)
+* cp -r       one stream per file, one file after another
+
+The volume is the FUSE test volume set like an object-store mount: 40 MiB/s per stream,
+320 MiB/s for the mount, 2 ms per request. Then loaderplug's peak RSS is measured on a
+1 GiB and a 4 GiB model against its budget (bytes in flight + 150 MiB).
+
+    python benchmarks/hydrate_bench.py            # full: ~1 GiB models, 3 rounds
+    python benchmarks/hydrate_bench.py --quick    # 256 MiB models, 1 round
+
+Writes benchmarks/results/hydrate.md and hydrate.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import filecmp
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from loaderplug.testing.model import write_model
+from loaderplug.testing.volume import VolumeProfile, fuse_unavailable_reason, mounted
+
+MiB = 1 << 20
+HERE = Path(__file__).resolve().parent
+PROFILE = VolumeProfile(
+    per_stream_bytes_per_s=40 * MiB, mount_bytes_per_s=320 * MiB, latency_s=0.002
+)
+BUDGET_SLACK = 150 * MiB
+
+
+@dataclass
+class Measured:
+    seconds: list[float] = field(default_factory=list)
+    rss: list[int] = field(default_factory=list)
+
+
+def run_measured(cmd: list[str], env: dict[str, str] | None = None) -> tuple[float, int]:
+    """Wall seconds and peak RSS (bytes) of one child process; fails loudly on error.
+
+    GNU time reports the RSS: a child forked from this Python process would otherwise
+    inherit the benchmark's own high-water mark until it execs.
+    """
+    timed = ["/usr/bin/time", "-f", "%M", *cmd]
+    started = time.perf_counter()
+    done = subprocess.run(timed, capture_output=True, text=True, env={**os.environ, **(env or {})})
+    elapsed = time.perf_counter() - started
+    if done.returncode != 0:
+        raise SystemExit(f"{cmd[:4]} failed:\n{done.stdout}\n{done.stderr}")
+    return elapsed, int(done.stderr.strip().splitlines()[-1]) * 1024
+
+
+def probe(folder: str, workers: int = 16, chunk: int = 8 * MiB) -> None:
+    """Read every file as disjoint ranges on independent descriptors, offset-major."""
+    files = sorted(p for p in Path(folder).rglob("*") if p.is_file())
+    spans = []
+    for offset in range(0, max(p.stat().st_size for p in files), chunk):
+        spans.extend((p, offset) for p in files if offset < p.stat().st_size)
+    lock = threading.Lock()
+
+    def worker() -> None:
+        while True:
+            with lock:
+                if not spans:
+                    return
+                path, offset = spans.pop(0)
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                done = 0
+                while done < chunk:
+                    n = len(os.pread(fd, chunk - done, offset + done))
+                    if n == 0:
+                        break
+                    done += n
+            finally:
+                os.close(fd)
+
+    threads = [threading.Thread(target=worker) for _ in range(workers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+
+def same_tree(a: Path, b: Path) -> bool:
+    files = [p.relative_to(a) for p in a.rglob("*") if p.is_file()]
+    return bool(files) and all(filecmp.cmp(a / f, b / f, shallow=False) for f in files)
+
+
+def bench_scenario(work: Path, label: str, size: int, shards: int, rounds: int) -> dict:
+    """Alternate the four contenders over one model behind one throttled mount."""
+    base = work / label.replace(" ", "-")
+    local = base / "rp-local" / "model"
+    write_model(local, size, shards)
+    total = sum(p.stat().st_size for p in local.rglob("*") if p.is_file())
+    backing = base / "backing"
+    backing.mkdir()
+    from runpod.serverless.utils.rp_volume_cache import VolumeCache
+
+    # runpod's own sync lays out its mirror (written straight to the backing folder).
+    VolumeCache(dirs=[local], namespace="bench", volume_path=backing, best_effort=False).sync(
+        background=False
+    )
+    mnt = base / "mnt"
+    mnt.mkdir()
+    dst = base / "dst"
+    results: dict[str, Measured] = {}
+    with mounted(backing, mnt, PROFILE):
+        mirror = mnt / ".cache" / "bench" / "big" / str(local).lstrip("/")
+        runpod_code = (
+            "from runpod.serverless.utils.rp_volume_cache import VolumeCache;"
+            f"n = VolumeCache(dirs=[{str(local)!r}], namespace='bench', volume_path={str(mnt)!r},"
+            " best_effort=False).hydrate(); assert n > 0, n"
+        )
+        contenders: dict[str, tuple[list[str], Path | None]] = {
+            "probe (parallel ranges)": ([sys.executable, __file__, "--probe", str(mirror)], None),
+            "loaderplug": (
+                [sys.executable, "-m", "loaderplug", "hydrate", "--from", str(mirror),
+                 "--to", str(dst)],
+                dst,
+            ),
+            "runpod VolumeCache": ([sys.executable, "-c", runpod_code], local),
+            "cp -r": (["cp", "-r", str(mirror), str(dst)], dst),
+        }
+        order = list(contenders)
+        for round_ in range(rounds):
+            for name in order[round_ % 4 :] + order[: round_ % 4]:
+                cmd, out = contenders[name]
+                if out is not None:
+                    shutil.rmtree(out, ignore_errors=True)
+                    if out == local:
+                        out.mkdir(parents=True)
+                subprocess.run(["sync"], check=True)
+                seconds, rss = run_measured(cmd, env={"LOADERPLUG_PROGRESS": "0"})
+                m = results.setdefault(name, Measured())
+                m.seconds.append(seconds)
+                m.rss.append(rss)
+                if out is not None and round_ == 0:
+                    assert same_tree(mirror, out), f"{name} produced a different tree"
+                print(f"  {label} round {round_ + 1}: {name:24s} {total / MiB / seconds:7.1f} MiB/s",
+                      flush=True)
+    return {"label": label, "bytes": total, "shards": shards, "results": results}
+
+
+def rss_check(work: Path, size: int) -> dict:
+    folder = work / f"rss-{size >> 20}"
+    write_model(folder / "src", size, 4)
+    dst = folder / "dst"
+    seconds, rss = run_measured(
+        [sys.executable, "-m", "loaderplug", "hydrate", "--from", str(folder / "src"),
+         "--to", str(dst)],
+        env={"LOADERPLUG_PROGRESS": "0"},
+    )
+    shutil.rmtree(folder)
+    budget = 512 * MiB + BUDGET_SLACK
+    return {"model_bytes": size, "peak_rss": rss, "budget": budget, "seconds": seconds}
+
+
+def table(scenarios: list[dict], rss_rows: list[dict]) -> str:
+    lines = [
+        "| model | contender | MiB/s (median) | min–max | × runpod | × cp -r | of probe | peak RSS |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for sc in scenarios:
+        res: dict[str, Measured] = sc["results"]
+
+        def speed(name: str) -> float:
+            return sc["bytes"] / MiB / statistics.median(res[name].seconds)
+
+        for name, m in res.items():
+            speeds = [sc["bytes"] / MiB / s for s in m.seconds]
+            lines.append(
+                f"| {sc['label']} | {name} | {speed(name):.0f} | "
+                f"{min(speeds):.0f}–{max(speeds):.0f} | "
+                f"{speed(name) / speed('runpod VolumeCache'):.2f} | "
+                f"{speed(name) / speed('cp -r'):.2f} | "
+                f"{speed(name) / speed('probe (parallel ranges)'):.0%} | "
+                f"{max(m.rss) / MiB:.0f} MiB |"
+            )
+    lines += ["", "| model | loaderplug peak RSS | budget (in flight + 150 MiB) | within |",
+              "|---|---|---|---|"]
+    for row in rss_rows:
+        lines.append(
+            f"| {row['model_bytes'] / (1 << 30):.0f} GiB | {row['peak_rss'] / MiB:.0f} MiB | "
+            f"{row['budget'] / MiB:.0f} MiB | {'yes' if row['peak_rss'] <= row['budget'] else 'NO'} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="256 MiB models, one round")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--probe", help=argparse.SUPPRESS)
+    parser.add_argument("--out", type=Path, default=HERE / "results")
+    args = parser.parse_args()
+    if args.probe:
+        probe(args.probe)
+        return
+    reason = fuse_unavailable_reason()
+    if not Path("/usr/bin/time").exists():
+        reason = "GNU time is missing (apt-get install time)"
+    if reason:
+        raise SystemExit(f"this benchmark needs the FUSE test volume: {reason}")
+    size = 256 * MiB if args.quick else 1 << 30
+    rounds = 1 if args.quick else args.rounds
+    with tempfile.TemporaryDirectory(prefix="loaderplug-bench-", dir="/var/tmp") as tmp:
+        work = Path(tmp)
+        scenarios = [
+            bench_scenario(work, "4 shards", size, 4, rounds),
+            bench_scenario(work, "1 shard", size, 1, rounds),
+        ]
+        sizes: list[int] = [size] if args.quick else [1 << 30, 4 << 30]
+        rss_rows = [rss_check(work, s) for s in sizes]
+    text = table(scenarios, rss_rows)
+    header = (
+        f"# Hydrate benchmark\n\nVolume: FUSE test volume, 40 MiB/s per stream, 320 MiB/s "
+        f"per mount, 2 ms per request. {rounds} round(s), alternating; wall time of each "
+        f"process (loaderplug includes fsync). Command: `python benchmarks/hydrate_bench.py"
+        f"{' --quick' if args.quick else ''}`.\n\n"
+    )
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "hydrate.md").write_text(header + text + "\n")
+    raw = [
+        {**sc, "results": {k: vars(v) for k, v in sc["results"].items()}} for sc in scenarios
+    ]
+    (args.out / "hydrate.json").write_text(json.dumps({"scenarios": raw, "rss": rss_rows}, indent=1))
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
