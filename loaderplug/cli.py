@@ -89,6 +89,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("loaderplug: interrupted; temp files removed", file=sys.stderr)
         return EXIT_INTERRUPTED
-    except LoaderplugError as exc:
+    except (LoaderplugError, OSError) as exc:
         print(f"loaderplug: error: {exc}", file=sys.stderr)
         return EXIT_USAGE

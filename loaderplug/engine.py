@@ -77,6 +77,9 @@ class FileJob:
                 sink.prepare()
             self._begun = True
 
+    def expect_spans(self, count: int) -> None:
+        self._remaining = count
+
     def span_done(self) -> bool:
         """Count a landed span; True for the one caller that must finish the file."""
         with self._lock:
@@ -100,6 +103,11 @@ class FileJob:
         for sink in self.sinks:
             sink.abort()
         return True
+
+    def mark_restored(self) -> None:
+        with self._lock:
+            self.result = FileResult(self.rel, "restored", self.size)
+            self._done = True
 
     def abort_unfinished(self) -> None:
         with self._lock:
@@ -155,11 +163,12 @@ class Engine:
         threshold = self.settings.split_threshold_bytes
         self.chunk = self.settings.chunk_for_job(sum(f.size for f in files))
         self.workers = self.settings.workers_for_chunk(self.chunk)
-        for job in files:
-            job._remaining = count_spans(job.size, self.chunk, threshold)
+        spans_per_file = [count_spans(f.size, self.chunk, threshold) for f in files]
+        for job, count in zip(files, spans_per_file, strict=True):
+            job.expect_spans(count)
         self._files = files
         self._spans = plan([f.size for f in files], self.chunk, threshold)
-        total = sum(f._remaining for f in files)
+        total = sum(spans_per_file)
         threads = [
             threading.Thread(target=self._worker, name=f"loaderplug-{self.job}-{i}", daemon=True)
             for i in range(min(self.workers, total))
@@ -229,9 +238,7 @@ class Engine:
         except Exception as exc:
             job.fail(exc, None)
         else:
-            with job._lock:
-                job.result = FileResult(job.rel, "restored", job.size)
-                job._done = True
+            job.mark_restored()
         self.pm.hook.loaderplug_on_file_done(job=self.job, result=job.result)
 
     # -- copying one span -----------------------------------------------------------
@@ -243,8 +250,6 @@ class Engine:
         for offset in range(span.offset, end, self.chunk):
             length = min(self.chunk, end - offset)
             retries += self._with_retries(job, offset, length, view)
-        with self._lock:
-            self.retries += retries
         self.pm.hook.loaderplug_on_range_done(
             job=self.job, path=job.rel, offset=span.offset, length=span.length, retries=retries
         )
@@ -268,6 +273,8 @@ class Engine:
                         range=(offset, length),
                         errno=exc.errno,
                     ) from exc
+                with self._lock:
+                    self.retries += 1
                 self._backoff(attempt)
         raise AssertionError("unreachable")
 

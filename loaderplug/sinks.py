@@ -15,6 +15,8 @@ import secrets
 from pathlib import Path
 from typing import Protocol
 
+from loaderplug.errors import HydrateError
+
 TEMP_SUFFIX = ".loaderplug-tmp"
 
 
@@ -64,15 +66,27 @@ class FileSink:
         self.temp = temp_name_for(dst)
 
     def prepare(self) -> None:
-        self.dst.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        try:
+            self.dst.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        except OSError as exc:
+            raise HydrateError(
+                f"cannot create {self.temp}: {exc.strerror or exc}",
+                path=str(self.dst),
+                errno=exc.errno,
+            ) from exc
         try:
             self._preallocate(fd)
-        except BaseException:
-            os.close(fd)
+        except OSError as exc:
             self.abort()
-            raise
-        os.close(fd)
+            raise HydrateError(
+                f"cannot reserve {self.size} bytes in {self.dst.parent}: "
+                f"{exc.strerror or exc}; free some space there or hydrate elsewhere",
+                path=str(self.dst),
+                errno=exc.errno,
+            ) from exc
+        finally:
+            os.close(fd)
 
     def _preallocate(self, fd: int) -> None:
         # Reserving every block up front turns a full disk into one clear error before any

@@ -140,6 +140,26 @@ def _progress(settings: Settings, total: int, desc: str) -> tuple[Callable[[int]
     return update, bar
 
 
+def _file_jobs(
+    listing: _Listing,
+    src: Path,
+    dst: Path,
+    settings: Settings,
+    pm: pluggy.PluginManager,
+    report: TransferReport,
+) -> list[FileJob]:
+    """A job per file that the destination does not already hold; the rest are skipped."""
+    policy_for = _PolicyCache(pm, settings.direct_io)
+    jobs = []
+    for rel, identity in sorted(listing.files.items()):
+        if _is_current(dst / rel, identity):
+            report.results.append(FileResult(rel, "skipped", identity.size))
+            continue
+        sink = FileSink(dst / rel, identity.size, identity.mtime_ns, fsync=settings.fsync)
+        jobs.append(FileJob(rel, str(src / rel), identity, [sink], policy_for(src / rel)))
+    return jobs
+
+
 def transfer(
     job: str,
     src: Path,
@@ -154,8 +174,11 @@ def transfer(
     src, dst = Path(src), Path(dst)
     if not src.is_dir():
         raise MirrorError(f"{job} source {src} is not a folder; check the path")
-    if src.resolve() == dst.resolve():
-        raise MirrorError(f"{job} source and destination are the same folder: {src}")
+    src_real, dst_real = src.resolve(), dst.resolve()
+    if src_real == dst_real or src_real in dst_real.parents or dst_real in src_real.parents:
+        raise MirrorError(
+            f"{job} source {src} and destination {dst} overlap; pick folders apart"
+        )
     pm = plugin_manager(settings.disable_plugins)
     report = TransferReport(
         job, str(src), str(dst), settings.effective_workers, settings.effective_chunk_bytes
@@ -167,16 +190,9 @@ def transfer(
             leftover.unlink(missing_ok=True)
         listing = _list_source(src, use_manifest)
         started = time.monotonic()
-        policy_for = _PolicyCache(pm, settings.direct_io)
         for rel in listing.dirs:
             (dst / rel).mkdir(parents=True, exist_ok=True)
-        jobs: list[FileJob] = []
-        for rel, identity in sorted(listing.files.items()):
-            if _is_current(dst / rel, identity):
-                report.results.append(FileResult(rel, "skipped", identity.size))
-                continue
-            sink = FileSink(dst / rel, identity.size, identity.mtime_ns, fsync=settings.fsync)
-            jobs.append(FileJob(rel, str(src / rel), identity, [sink], policy_for(src / rel)))
+        jobs = _file_jobs(listing, src, dst, settings, pm, report)
         on_bytes, bar = _progress(settings, sum(j.size for j in jobs), f"{job} {src.name}")
         engine = Engine(settings, pm, job=job, on_bytes=on_bytes)
         try:

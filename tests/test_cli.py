@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import pty
 import subprocess
 import sys
 from pathlib import Path
@@ -89,3 +91,38 @@ def test_demo_runs_and_verifies_its_copy() -> None:
     assert done.returncode == 0, done.stderr
     assert "restored files byte-identical to the mirror: yes" in done.stdout
     assert "nothing to do" in done.stdout
+
+
+def run_on_a_terminal(*args: str, env: dict[str, str]) -> str:
+    """Run the CLI with stderr on a pseudo-terminal; returns what the terminal showed."""
+    controller, terminal = pty.openpty()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "loaderplug", *args],
+        stdout=subprocess.DEVNULL,
+        stderr=terminal,
+        cwd=REPO,
+        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO), **env},
+    )
+    os.close(terminal)
+    shown = b""
+    while True:
+        try:
+            data = os.read(controller, 65536)
+        except OSError:  # EIO: the child closed the terminal
+            break
+        if not data:
+            break
+        shown += data
+    proc.wait(timeout=60)
+    os.close(controller)
+    return shown.decode(errors="replace")
+
+
+def test_progress_bar_shows_on_a_terminal_only(model: Path, tmp_path: Path) -> None:
+    args = ("hydrate", "--from", str(model), "--chunk-bytes", "64K")
+    shown = run_on_a_terminal(*args, "--to", str(tmp_path / "a"), env={})
+    assert "100%" in shown and "hydrate mirror" in shown
+    off = run_on_a_terminal(*args, "--to", str(tmp_path / "b"), env={"LOADERPLUG_PROGRESS": "0"})
+    assert "100%" not in off
+    piped = run("hydrate", "--from", str(model), "--to", str(tmp_path / "c"))
+    assert "100%" not in piped.stderr

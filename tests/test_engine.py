@@ -146,7 +146,8 @@ def test_full_destination_fails_clearly_and_publishes_nothing(
     assert report.failed, report.summary()
     for failure in report.failed:
         assert failure.errno == errno.ENOSPC
-        assert "No space left on device" in failure.reason
+        assert "cannot reserve" in failure.reason and "No space left on device" in failure.reason
+        assert "free some space there" in failure.reason
     for rel in tree_bytes(small_tmpfs / "local"):
         assert (small_tmpfs / "local" / rel).read_bytes() == (mirror / rel).read_bytes()
     assert leftover_temps(small_tmpfs) == []

@@ -137,3 +137,12 @@ def test_sync_skips_what_the_mirror_already_has(model: Path, tmp_path: Path) -> 
     sync(model, tmp_path / "m", **FAST)
     again = sync(model, tmp_path / "m", **FAST)
     assert again.bytes_copied == 0 and not again.restored
+
+
+@pytest.mark.parametrize("where", ["same", "inside", "around"])
+def test_overlapping_source_and_destination_are_refused(
+    model: Path, tmp_path: Path, where: str
+) -> None:
+    dst = {"same": model, "inside": model / "copy", "around": tmp_path}[where]
+    with pytest.raises(MirrorError, match="overlap"):
+        hydrate(model, dst)
