@@ -141,8 +141,16 @@ def bench_scenario(work: Path, label: str, size: int, shards: int, rounds: int) 
         contenders: dict[str, tuple[list[str], Path | None]] = {
             "probe (parallel ranges)": ([sys.executable, __file__, "--probe", str(mirror)], None),
             "loaderplug": (
-                [sys.executable, "-m", "loaderplug", "hydrate", "--from", str(mirror),
-                 "--to", str(dst)],
+                [
+                    sys.executable,
+                    "-m",
+                    "loaderplug",
+                    "hydrate",
+                    "--from",
+                    str(mirror),
+                    "--to",
+                    str(dst),
+                ],
                 dst,
             ),
             "runpod VolumeCache": ([sys.executable, "-c", runpod_code], local),
@@ -164,8 +172,10 @@ def bench_scenario(work: Path, label: str, size: int, shards: int, rounds: int) 
                 if out is not None and round_ == 0:
                     # Compare with the model as written, not through the slow mount.
                     assert same_shards(local_copy, out), f"{name} produced a different tree"
-                print(f"  {label} round {round_ + 1}: {name:24s} {total / MiB / seconds:7.1f} MiB/s",
-                      flush=True)
+                print(
+                    f"  {label} round {round_ + 1}: {name:24s} {total / MiB / seconds:7.1f} MiB/s",
+                    flush=True,
+                )
     return {"label": label, "bytes": total, "shards": shards, "results": results}
 
 
@@ -174,8 +184,16 @@ def rss_check(work: Path, size: int) -> dict:
     write_model(folder / "src", size, 4)
     dst = folder / "dst"
     seconds, rss = run_measured(
-        [sys.executable, "-m", "loaderplug", "hydrate", "--from", str(folder / "src"),
-         "--to", str(dst)],
+        [
+            sys.executable,
+            "-m",
+            "loaderplug",
+            "hydrate",
+            "--from",
+            str(folder / "src"),
+            "--to",
+            str(dst),
+        ],
         env={"LOADERPLUG_PROGRESS": "0"},
     )
     shutil.rmtree(folder)
@@ -204,8 +222,11 @@ def table(scenarios: list[dict], rss_rows: list[dict]) -> str:
                 f"{speed(name) / speed('probe (parallel ranges)'):.0%} | "
                 f"{max(m.rss) / MiB:.0f} MiB |"
             )
-    lines += ["", "| model | loaderplug peak RSS | budget (in flight + 150 MiB) | within |",
-              "|---|---|---|---|"]
+    lines += [
+        "",
+        "| model | loaderplug peak RSS | budget (in flight + 150 MiB) | within |",
+        "|---|---|---|---|",
+    ]
     for row in rss_rows:
         lines.append(
             f"| {row['model_bytes'] / (1 << 30):.0f} GiB | {row['peak_rss'] / MiB:.0f} MiB | "
@@ -248,10 +269,10 @@ def main() -> None:
     )
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "hydrate.md").write_text(header + text + "\n")
-    raw = [
-        {**sc, "results": {k: vars(v) for k, v in sc["results"].items()}} for sc in scenarios
-    ]
-    (args.out / "hydrate.json").write_text(json.dumps({"scenarios": raw, "rss": rss_rows}, indent=1))
+    raw = [{**sc, "results": {k: vars(v) for k, v in sc["results"].items()}} for sc in scenarios]
+    (args.out / "hydrate.json").write_text(
+        json.dumps({"scenarios": raw, "rss": rss_rows}, indent=1)
+    )
     print(text)
 
 

@@ -1,9 +1,11 @@
-"""The range executor: N workers pull spans from one lazy plan and copy them to sinks.
+"""The range executor: N readers pull spans from one lazy plan; writers land them in sinks.
 
-* Memory is bounded by the workers' buffers: ``workers x chunk`` never exceeds the
-  bytes-in-flight budget (see :attr:`Settings.effective_workers`).
-* Each span is read with ``pread`` into the worker's own aligned buffer, from a source
-  the worker opened itself, and written to every sink of its file.
+* Memory is bounded by one pool of aligned buffers, ``bytes in flight / chunk`` of them:
+  at most ``workers x chunk`` bytes are being read from the volume at once, and any
+  spare buffers let a reader start its next range while the last one is still being
+  written to local disk, so the slow volume stream never waits for the fast disk.
+* Each span is read with ``pread`` from a source the reader opened itself, into a
+  buffer of its own, then written with ``pwrite`` to every sink of its file.
 * ENOMEM, EIO and EAGAIN are retried per span with exponential backoff and full jitter;
   any other error, or exhausted retries, fails that file only. Its remaining spans are
   skipped and its sinks aborted; other files carry on.
@@ -17,7 +19,9 @@
 from __future__ import annotations
 
 import errno as errno_mod
+import mmap
 import os
+import queue
 import random
 import threading
 from collections.abc import Callable, Iterator, Sequence
@@ -131,8 +135,54 @@ def check_identity(job: FileJob, now: Identity) -> None:
         )
 
 
+class BufferPool:
+    """Up to ``count`` page-aligned buffers of ``size`` bytes, made on first use."""
+
+    def __init__(self, count: int, size: int) -> None:
+        self.count, self.size = count, size
+        self._free: list[tuple[mmap.mmap, memoryview]] = []
+        self._made: list[tuple[mmap.mmap, memoryview]] = []
+        self._cond = threading.Condition()
+
+    def take(self, cancel: threading.Event) -> tuple[mmap.mmap, memoryview]:
+        with self._cond:
+            while not self._free:
+                if cancel.is_set():
+                    raise Cancelled
+                if len(self._made) < self.count:
+                    buffer = aligned_buffer(self.size)
+                    self._made.append((buffer, memoryview(buffer)))
+                    return self._made[-1]
+                self._cond.wait(0.1)
+            return self._free.pop()
+
+    def give(self, item: tuple[mmap.mmap, memoryview]) -> None:
+        with self._cond:
+            self._free.append(item)
+            self._cond.notify()
+
+    def close(self) -> None:
+        for buffer, view in self._made:
+            view.release()
+            buffer.close()
+        self._made.clear()
+        self._free.clear()
+
+
+@dataclass(eq=False)
+class _Write:
+    """One read piece waiting for the writers; ``span_left`` is shared by its span."""
+
+    job: FileJob
+    span: Span
+    offset: int
+    length: int
+    buffer: tuple[mmap.mmap, memoryview]
+    span_left: list[int]  # [pieces not yet written, retries so far], under Engine._lock
+
+
 class Engine:
-    """Runs one job's spans over a pool of worker threads."""
+    """Runs one job's spans over a pool of reader threads and a pool of writer threads."""
 
     def __init__(
         self,
@@ -154,6 +204,8 @@ class Engine:
         self._lock = threading.Lock()
         self._spans: Iterator[Span] = iter(())
         self._files: Sequence[FileJob] = ()
+        self._writes: queue.SimpleQueue[_Write | None] = queue.SimpleQueue()
+        self._pool = BufferPool(0, 0)
         self._crash: BaseException | None = None
 
     # -- orchestration ------------------------------------------------------------
@@ -168,31 +220,50 @@ class Engine:
             job.expect_spans(count)
         self._files = files
         self._spans = plan([f.size for f in files], self.chunk, threshold)
-        total = sum(spans_per_file)
-        threads = [
-            threading.Thread(target=self._worker, name=f"loaderplug-{self.job}-{i}", daemon=True)
-            for i in range(min(self.workers, total))
-        ]
+        count = min(self.workers, sum(spans_per_file))
+        buffers = max(count, self.settings.bytes_in_flight // self.chunk)
+        self._pool = BufferPool(buffers, self.chunk + READ_PADDING)
+        readers = [self._thread(self._reader, f"read-{i}") for i in range(count)]
+        writers = [self._thread(self._writer, f"write-{i}") for i in range(count)]
         try:
-            for t in threads:
+            for t in readers + writers:
                 t.start()
-            for t in threads:
-                # A timed join keeps the main thread able to take Ctrl-C.
-                while t.is_alive():
-                    t.join(0.1)
+            self._join(readers)
+            for _ in writers:
+                self._writes.put(None)
+            self._join(writers)
         except BaseException:
             self._cancel.set()
             try:
-                for t in threads:
-                    while t.is_alive():
-                        t.join(0.1)
+                for _ in writers:
+                    self._writes.put(None)
+                self._join(readers + writers)
             finally:
                 for job in files:
                     job.abort_unfinished()
             raise
+        finally:
+            self._pool.close()
         if self._crash is not None:
             raise self._crash
         return [job.result for job in files if job.result is not None]
+
+    def _thread(self, target: Callable[[], None], name: str) -> threading.Thread:
+        def guarded() -> None:
+            try:
+                target()
+            except BaseException as exc:  # a bug, not an IO error: stop the whole job
+                self._crash = exc
+                self._cancel.set()
+
+        return threading.Thread(target=guarded, name=f"loaderplug-{self.job}-{name}", daemon=True)
+
+    @staticmethod
+    def _join(threads: list[threading.Thread]) -> None:
+        for t in threads:
+            # A timed join keeps the main thread able to take Ctrl-C.
+            while t.is_alive():
+                t.join(0.1)
 
     def _next(self) -> tuple[FileJob, Span] | None:
         with self._lock:
@@ -202,72 +273,60 @@ class Engine:
                     return job, span
             return None
 
-    def _worker(self) -> None:
-        capacity = self.chunk + READ_PADDING
-        buffer = aligned_buffer(capacity)
-        view = memoryview(buffer)
-        try:
-            while not self._cancel.is_set():
-                item = self._next()
-                if item is None:
-                    return
-                job, span = item
-                try:
-                    job.begin()
-                    self._copy_span(job, span, view)
-                except Cancelled:
-                    continue
-                except Exception as exc:
-                    if job.fail(exc, span):
-                        self.pm.hook.loaderplug_on_file_done(job=self.job, result=job.result)
-                    continue
-                if job.span_done():
-                    self._finish(job)
-        except BaseException as exc:  # a bug, not an IO error: stop the whole job
-            self._crash = exc
-            self._cancel.set()
-        finally:
-            view.release()
-            buffer.close()
+    def _fail(self, job: FileJob, exc: BaseException, span: Span | None) -> None:
+        if job.fail(exc, span):
+            self.pm.hook.loaderplug_on_file_done(job=self.job, result=job.result)
 
-    def _finish(self, job: FileJob) -> None:
-        try:
-            check_identity(job, Identity.of(os.stat(job.src)))
-            for sink in job.sinks:
-                sink.commit()
-        except Exception as exc:
-            job.fail(exc, None)
-        else:
-            job.mark_restored()
-        self.pm.hook.loaderplug_on_file_done(job=self.job, result=job.result)
+    # -- reading ----------------------------------------------------------------------
 
-    # -- copying one span -----------------------------------------------------------
+    def _reader(self) -> None:
+        while not self._cancel.is_set():
+            item = self._next()
+            if item is None:
+                return
+            job, span = item
+            try:
+                job.begin()
+                self._read_span(job, span)
+            except Cancelled:
+                continue
+            except Exception as exc:
+                self._fail(job, exc, span)
 
-    def _copy_span(self, job: FileJob, span: Span, view: memoryview) -> None:
-        retries = 0
+    def _read_span(self, job: FileJob, span: Span) -> None:
         end = span.offset + span.length
         # A whole-file span of a small file is read in chunk-sized pieces.
-        for offset in range(span.offset, end, self.chunk):
+        offsets = range(span.offset, end, self.chunk)
+        span_left = [max(1, len(offsets)), 0]
+        if not offsets:  # an empty file: nothing to read, one empty write completes it
+            self._writes.put(_Write(job, span, 0, 0, self._pool.take(self._cancel), span_left))
+            return
+        for offset in offsets:
             length = min(self.chunk, end - offset)
-            retries += self._with_retries(job, offset, length, view)
-        self.pm.hook.loaderplug_on_range_done(
-            job=self.job, path=job.rel, offset=span.offset, length=span.length, retries=retries
-        )
+            buffer = self._pool.take(self._cancel)
+            try:
+                retries = self._read_with_retries(job, offset, length, buffer[1])
+            except BaseException:
+                self._pool.give(buffer)
+                raise
+            with self._lock:
+                span_left[1] += retries
+            self._writes.put(_Write(job, span, offset, length, buffer, span_left))
 
-    def _with_retries(self, job: FileJob, offset: int, length: int, view: memoryview) -> int:
+    def _read_with_retries(self, job: FileJob, offset: int, length: int, view: memoryview) -> int:
         attempts = self.settings.retry_attempts
         for attempt in range(attempts):
-            if self._cancel.is_set():
+            if self._cancel.is_set() or job.failed:
                 raise Cancelled
             try:
-                self._copy_piece(job, offset, length, view)
+                self._read_piece(job, offset, length, view)
                 return attempt
             except OSError as exc:
                 transient = exc.errno in TRANSIENT_ERRNOS
                 if not transient or attempt + 1 == attempts:
                     tries = f" after {attempt + 1} attempts" if transient else ""
                     raise HydrateError(
-                        f"copying bytes {offset}-{offset + length} failed{tries}: "
+                        f"reading bytes {offset}-{offset + length} failed{tries}: "
                         f"{exc.strerror or exc}",
                         path=job.src,
                         range=(offset, length),
@@ -285,7 +344,7 @@ class Engine:
         if self._cancel.wait(random.uniform(0, ceiling_ms) / 1000):
             raise Cancelled
 
-    def _copy_piece(self, job: FileJob, offset: int, length: int, view: memoryview) -> None:
+    def _read_piece(self, job: FileJob, offset: int, length: int, view: memoryview) -> None:
         source: Source = first_result(
             self.pm, "loaderplug_open_source", path=job.src, policy=job.policy
         )
@@ -303,10 +362,67 @@ class Engine:
             check_identity(job, source.identity())
         finally:
             source.close()
-        data = view[:length]
-        for sink in job.sinks:
-            sink.write(data, offset)
+
+    # -- writing ----------------------------------------------------------------------
+
+    def _writer(self) -> None:
+        while True:
+            write = self._writes.get()
+            if write is None:
+                return
+            job = write.job
+            try:
+                if self._cancel.is_set() or job.failed:
+                    continue
+                data = write.buffer[1][: write.length]
+                try:
+                    for sink in job.sinks:
+                        sink.write(data, write.offset)
+                except OSError as exc:
+                    self._fail(job, _write_error(job, write, exc), write.span)
+                    continue
+            finally:
+                self._pool.give(write.buffer)
+            self._landed(write)
+
+    def _landed(self, write: _Write) -> None:
         with self._lock:
-            self.bytes_copied += length
+            self.bytes_copied += write.length
             if self.on_bytes is not None:
-                self.on_bytes(length)
+                self.on_bytes(write.length)
+            write.span_left[0] -= 1
+            span_done, retries = write.span_left[0] == 0, write.span_left[1]
+        if not span_done:
+            return
+        span = write.span
+        self.pm.hook.loaderplug_on_range_done(
+            job=self.job,
+            path=write.job.rel,
+            offset=span.offset,
+            length=span.length,
+            retries=retries,
+        )
+        if write.job.span_done():
+            self._finish(write.job)
+
+    def _finish(self, job: FileJob) -> None:
+        try:
+            check_identity(job, Identity.of(os.stat(job.src)))
+            for sink in job.sinks:
+                sink.commit()
+        except Exception as exc:
+            job.fail(exc, None)
+        else:
+            job.mark_restored()
+        self.pm.hook.loaderplug_on_file_done(job=self.job, result=job.result)
+
+
+def _write_error(job: FileJob, write: _Write, exc: OSError) -> HydrateError:
+    error = HydrateError(
+        f"writing bytes {write.offset}-{write.offset + write.length} failed: {exc.strerror or exc}",
+        path=job.src,
+        range=(write.offset, write.length),
+        errno=exc.errno,
+    )
+    error.__cause__ = exc
+    return error

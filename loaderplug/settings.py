@@ -203,8 +203,10 @@ class Settings:
         chunk = self.effective_chunk_bytes
         if self.chunk_bytes is not None:
             return chunk
-        per_worker = -(-total_bytes // (self.hydrate_workers * 4))
-        fitted = max(4 * MiB, -(-per_worker // MiB) * MiB)
+        per_worker = total_bytes // (self.hydrate_workers * 4)
+        # A power of two divides typical shard sizes evenly, so no file ends in a
+        # range that is almost a whole range short of the others.
+        fitted = max(4 * MiB, 1 << max(per_worker, 1).bit_length() - 1)
         return min(chunk, fitted)
 
     def workers_for_chunk(self, chunk: int) -> int:

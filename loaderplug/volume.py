@@ -176,9 +176,7 @@ def transfer(
         raise MirrorError(f"{job} source {src} is not a folder; check the path")
     src_real, dst_real = src.resolve(), dst.resolve()
     if src_real == dst_real or src_real in dst_real.parents or dst_real in src_real.parents:
-        raise MirrorError(
-            f"{job} source {src} and destination {dst} overlap; pick folders apart"
-        )
+        raise MirrorError(f"{job} source {src} and destination {dst} overlap; pick folders apart")
     pm = plugin_manager(settings.disable_plugins)
     report = TransferReport(
         job, str(src), str(dst), settings.effective_workers, settings.effective_chunk_bytes

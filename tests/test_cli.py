@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import pty
+import struct
 import subprocess
 import sys
+import termios
 from pathlib import Path
 
 from tests.conftest import tree_bytes
@@ -96,6 +99,8 @@ def test_demo_runs_and_verifies_its_copy() -> None:
 def run_on_a_terminal(*args: str, env: dict[str, str]) -> str:
     """Run the CLI with stderr on a pseudo-terminal; returns what the terminal showed."""
     controller, terminal = pty.openpty()
+    # A new pty is 0 columns wide, where tqdm would draw an empty bar.
+    fcntl.ioctl(terminal, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 120, 0, 0))
     proc = subprocess.Popen(
         [sys.executable, "-m", "loaderplug", *args],
         stdout=subprocess.DEVNULL,
