@@ -31,7 +31,6 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -203,23 +202,21 @@ def rss_check(work: Path, size: int) -> dict:
 
 def table(scenarios: list[dict], rss_rows: list[dict]) -> str:
     lines = [
-        "| model | contender | MiB/s (median) | min–max | × runpod | × cp -r | of probe | peak RSS |",
+        "| model | contender | MiB/s (median) | min-max | x runpod | x cp -r | of probe "
+        "| peak RSS |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for sc in scenarios:
         res: dict[str, Measured] = sc["results"]
-
-        def speed(name: str) -> float:
-            return sc["bytes"] / MiB / statistics.median(res[name].seconds)
-
+        median = {name: sc["bytes"] / MiB / statistics.median(m.seconds) for name, m in res.items()}
         for name, m in res.items():
             speeds = [sc["bytes"] / MiB / s for s in m.seconds]
             lines.append(
-                f"| {sc['label']} | {name} | {speed(name):.0f} | "
-                f"{min(speeds):.0f}–{max(speeds):.0f} | "
-                f"{speed(name) / speed('runpod VolumeCache'):.2f} | "
-                f"{speed(name) / speed('cp -r'):.2f} | "
-                f"{speed(name) / speed('probe (parallel ranges)'):.0%} | "
+                f"| {sc['label']} | {name} | {median[name]:.0f} | "
+                f"{min(speeds):.0f}-{max(speeds):.0f} | "
+                f"{median[name] / median['runpod VolumeCache']:.2f} | "
+                f"{median[name] / median['cp -r']:.2f} | "
+                f"{median[name] / median['probe (parallel ranges)']:.0%} | "
                 f"{max(m.rss) / MiB:.0f} MiB |"
             )
     lines += [
@@ -230,7 +227,8 @@ def table(scenarios: list[dict], rss_rows: list[dict]) -> str:
     for row in rss_rows:
         lines.append(
             f"| {row['model_bytes'] / (1 << 30):.0f} GiB | {row['peak_rss'] / MiB:.0f} MiB | "
-            f"{row['budget'] / MiB:.0f} MiB | {'yes' if row['peak_rss'] <= row['budget'] else 'NO'} |"
+            f"{row['budget'] / MiB:.0f} MiB | "
+            f"{'yes' if row['peak_rss'] <= row['budget'] else 'NO'} |"
         )
     return "\n".join(lines)
 

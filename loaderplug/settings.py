@@ -33,6 +33,9 @@ GiB = 1024 * MiB
 
 Source = Literal["default", "environment", "override"]
 
+# Derived chunks shrink until a job has about this many ranges per worker.
+RANGES_PER_WORKER = 8
+
 
 @dataclass(frozen=True)
 class Variable:
@@ -196,14 +199,15 @@ class Settings:
         """The range size for a job of ``total_bytes``.
 
         A derived chunk also shrinks for small jobs, so that every worker gets about
-        four ranges: on a volume with a per-stream cap, four 64 MiB ranges of a 256 MiB
-        model would leave half of eight workers idle. It never goes below 4 MiB, where
+        eight ranges: on a volume with a per-stream cap, four 64 MiB ranges of a 256 MiB
+        model would leave half of eight workers idle, and the last ranges, which land
+        after every read is done, are short. It never goes below 4 MiB, where
         per-request overhead starts to dominate. An explicit chunk is used as is.
         """
         chunk = self.effective_chunk_bytes
         if self.chunk_bytes is not None:
             return chunk
-        per_worker = total_bytes // (self.hydrate_workers * 4)
+        per_worker = total_bytes // (self.hydrate_workers * RANGES_PER_WORKER)
         # A power of two divides typical shard sizes evenly, so no file ends in a
         # range that is almost a whole range short of the others.
         fitted = max(4 * MiB, 1 << max(per_worker, 1).bit_length() - 1)
