@@ -177,7 +177,7 @@ class _Write:
     span: Span
     offset: int
     length: int
-    buffer: tuple[mmap.mmap, memoryview]
+    buffer: tuple[mmap.mmap, memoryview] | None  # None for an empty file
     span_left: list[int]  # [pieces not yet written, retries so far], under Engine._lock
 
 
@@ -299,7 +299,7 @@ class Engine:
         offsets = range(span.offset, end, self.chunk)
         span_left = [max(1, len(offsets)), 0]
         if not offsets:  # an empty file: nothing to read, one empty write completes it
-            self._writes.put(_Write(job, span, 0, 0, self._pool.take(self._cancel), span_left))
+            self._writes.put(_Write(job, span, 0, 0, None, span_left))
             return
         for offset in offsets:
             length = min(self.chunk, end - offset)
@@ -374,15 +374,17 @@ class Engine:
             try:
                 if self._cancel.is_set() or job.failed:
                     continue
-                data = write.buffer[1][: write.length]
-                try:
-                    for sink in job.sinks:
-                        sink.write(data, write.offset)
-                except OSError as exc:
-                    self._fail(job, _write_error(job, write, exc), write.span)
-                    continue
+                if write.buffer is not None:
+                    data = write.buffer[1][: write.length]
+                    try:
+                        for sink in job.sinks:
+                            sink.write(data, write.offset)
+                    except OSError as exc:
+                        self._fail(job, _write_error(job, write, exc), write.span)
+                        continue
             finally:
-                self._pool.give(write.buffer)
+                if write.buffer is not None:
+                    self._pool.give(write.buffer)
             self._landed(write)
 
     def _landed(self, write: _Write) -> None:

@@ -146,18 +146,17 @@ def _file_jobs(
     dst: Path,
     settings: Settings,
     pm: pluggy.PluginManager,
-    report: TransferReport,
-) -> list[FileJob]:
+) -> tuple[list[FileJob], list[FileResult]]:
     """A job per file that the destination does not already hold; the rest are skipped."""
     policy_for = _PolicyCache(pm, settings.direct_io)
-    jobs = []
+    jobs, skipped = [], []
     for rel, identity in sorted(listing.files.items()):
         if _is_current(dst / rel, identity):
-            report.results.append(FileResult(rel, "skipped", identity.size))
+            skipped.append(FileResult(rel, "skipped", identity.size))
             continue
         sink = FileSink(dst / rel, identity.size, identity.mtime_ns, fsync=settings.fsync)
         jobs.append(FileJob(rel, str(src / rel), identity, [sink], policy_for(src / rel)))
-    return jobs
+    return jobs, skipped
 
 
 def transfer(
@@ -190,7 +189,8 @@ def transfer(
         started = time.monotonic()
         for rel in listing.dirs:
             (dst / rel).mkdir(parents=True, exist_ok=True)
-        jobs = _file_jobs(listing, src, dst, settings, pm, report)
+        jobs, skipped = _file_jobs(listing, src, dst, settings, pm)
+        report.results.extend(skipped)
         on_bytes, bar = _progress(settings, sum(j.size for j in jobs), f"{job} {src.name}")
         engine = Engine(settings, pm, job=job, on_bytes=on_bytes)
         try:
@@ -198,10 +198,14 @@ def transfer(
         finally:
             if bar is not None:
                 bar.close()
-        for rel, target in sorted(listing.symlinks.items()):
-            report.results.append(_place_symlink(dst, rel, target))
-        for rel, reason in sorted(listing.refused.items()):
-            report.results.append(FileResult(rel, "failed", reason=reason))
+        others = [_place_symlink(dst, rel, t) for rel, t in sorted(listing.symlinks.items())]
+        others += [
+            FileResult(rel, "failed", reason=r) for rel, r in sorted(listing.refused.items())
+        ]
+        report.results.extend(others)
+        # The engine told observers about the files it copied; these are the rest.
+        for result in skipped + others:
+            pm.hook.loaderplug_on_file_done(job=job, result=result)
         if write_manifest:
             _write_manifest(dst, listing, report)
         report.workers, report.chunk_bytes = engine.workers, engine.chunk

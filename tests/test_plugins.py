@@ -133,9 +133,17 @@ def test_loaderplug_on_file_done(model: Path, tmp_path: Path, register) -> None:
             results.append(result)
 
     register(Files())
-    hydrate(model, tmp_path / "local", **FAST)
-    assert sorted(r.path for r in results) == sorted(tree_bytes(model))
-    assert {r.status for r in results} == {"restored"}
+    (model / "escape").symlink_to("../elsewhere")
+    (model / "latest").symlink_to("config.json")
+    hydrate(model, tmp_path / "local", check=False, **FAST)
+    by_status = {(r.path, r.status) for r in results}
+    assert by_status == {(rel, "restored") for rel in tree_bytes(model)} | {
+        ("escape", "failed"),
+        ("latest", "linked"),
+    }
+    results.clear()
+    hydrate(model, tmp_path / "local", check=False, **FAST)
+    assert {r.status for r in results if r.path != "escape"} == {"skipped"}
 
 
 def test_loaderplug_on_job_done(model: Path, tmp_path: Path, register) -> None:
