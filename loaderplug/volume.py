@@ -121,6 +121,8 @@ class _PolicyCache:
     def __call__(self, path: Path) -> IOPolicy:
         key = str(path.parent)
         if key not in self._by_dir:
+            # The destination folder may not exist yet: the policy of its filesystem is
+            # decided from the nearest existing parent.
             self._by_dir[key] = first_result(
                 self.pm, "loaderplug_io_policy", path=str(path), mode=self.mode
             )
@@ -154,7 +156,14 @@ def _file_jobs(
         if _is_current(dst / rel, identity):
             skipped.append(FileResult(rel, "skipped", identity.size))
             continue
-        sink = FileSink(dst / rel, identity.size, identity.mtime_ns, fsync=settings.fsync)
+        target = policy_for(dst / rel)
+        sink = FileSink(
+            dst / rel,
+            identity.size,
+            identity.mtime_ns,
+            fsync=settings.fsync,
+            direct_alignment=target.alignment if target.direct else 0,
+        )
         jobs.append(FileJob(rel, str(src / rel), identity, [sink], policy_for(src / rel)))
     return jobs, skipped
 
