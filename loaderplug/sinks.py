@@ -25,34 +25,7 @@ class Sink(Protocol):
         """Called once, before the first write."""
 
     def write(self, data: memoryview, offset: int) -> None:
-        align = self.direct_alignment
-        direct_part = len(data) // align * align if align and offset % align == 0 else 0
-        if direct_part:
-            try:
-                self._pwrite(data[:direct_part], offset, os.O_DIRECT)
-            except OSError as exc:
-                if exc.errno != errno.EINVAL:
-                    raise
-                # The kernel refused direct IO here (or the buffer is unaligned): write
-                # this file through the page cache from now on.
-                self.direct_alignment = direct_part = 0
-        if direct_part < len(data):
-            self._pwrite(data[direct_part:], offset + direct_part, 0)
-
-    def _pwrite(self, data: memoryview, offset: int, flags: int) -> None:
-        # Each write opens its own descriptor: no descriptor is shared between workers,
-        # and no O_CREAT, so a write racing an abort cannot resurrect the temp file.
-        fd = os.open(self.temp, os.O_WRONLY | os.O_CLOEXEC | flags)
-        try:
-            done = 0
-            while done < len(data):
-                done += os.pwrite(fd, data[done:], offset + done)
-            if self.fsync and not flags:
-                # Start writeback of this range now, so the fsync before publishing
-                # finds little left to flush instead of the whole file at once.
-                os.posix_fadvise(fd, offset, len(data), os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
+        """Store ``data`` at ``offset``. Thread-safe; ranges arrive in any order."""
 
     def commit(self) -> None:
         """Every byte landed: make the result visible."""
@@ -133,14 +106,29 @@ class FileSink:
             os.ftruncate(fd, self.size)
 
     def write(self, data: memoryview, offset: int) -> None:
+        align = self.direct_alignment
+        direct_part = len(data) // align * align if align and offset % align == 0 else 0
+        if direct_part:
+            try:
+                self._pwrite(data[:direct_part], offset, os.O_DIRECT)
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:
+                    raise
+                # The kernel refused direct IO here (or the buffer is unaligned): write
+                # this file through the page cache from now on.
+                self.direct_alignment = direct_part = 0
+        if direct_part < len(data):
+            self._pwrite(data[direct_part:], offset + direct_part, 0)
+
+    def _pwrite(self, data: memoryview, offset: int, flags: int) -> None:
         # Each write opens its own descriptor: no descriptor is shared between workers,
         # and no O_CREAT, so a write racing an abort cannot resurrect the temp file.
-        fd = os.open(self.temp, os.O_WRONLY | os.O_CLOEXEC)
+        fd = os.open(self.temp, os.O_WRONLY | os.O_CLOEXEC | flags)
         try:
             done = 0
             while done < len(data):
                 done += os.pwrite(fd, data[done:], offset + done)
-            if self.fsync:
+            if self.fsync and not flags:
                 # Start writeback of this range now, so the fsync before publishing
                 # finds little left to flush instead of the whole file at once.
                 os.posix_fadvise(fd, offset, len(data), os.POSIX_FADV_DONTNEED)

@@ -168,3 +168,22 @@ def test_explicit_large_chunk_keeps_memory_within_the_budget(model: Path, tmp_pa
     )
     assert report.workers == 2 and report.chunk_bytes == 1 << 20
     assert tree_bytes(tmp_path / "local") == tree_bytes(model)
+
+
+@pytest.mark.parametrize("direct_io", ["auto", "on", "off"])
+@pytest.mark.parametrize("chunk", ["64K", "5000"])
+def test_direct_and_buffered_writes_give_identical_files(
+    model: Path, tmp_path: Path, direct_io: str, chunk: str
+) -> None:
+    # 64 KiB ranges are aligned (direct writes, buffered tails); 5000-byte ranges are
+    # not, so every write past the first goes through the page cache.
+    settings = {**FAST, "chunk_bytes": chunk, "direct_io": direct_io}
+    hydrate(model, tmp_path / "local", **settings)
+    assert tree_bytes(tmp_path / "local") == tree_bytes(model)
+
+
+def test_direct_writes_refused_by_the_filesystem_fall_back(
+    model: Path, small_tmpfs: Path
+) -> None:
+    hydrate(model, small_tmpfs / "local", **{**FAST, "direct_io": "on"})
+    assert tree_bytes(small_tmpfs / "local") == tree_bytes(model)
