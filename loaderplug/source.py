@@ -79,22 +79,19 @@ class PosixSource:
         self.path = path
         self.policy = policy
         self.direct = policy.direct and hasattr(os, "O_DIRECT")
-        flags = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
+        flags = os.O_RDONLY | os.O_CLOEXEC
         if self.direct:
             try:
                 self._fd = os.open(path, flags | os.O_DIRECT)
             except OSError as exc:
                 if exc.errno != errno.EINVAL:
                     raise
-                self._fallback()
+                _note_fallback(policy, path)
+                self.direct = False
                 self._fd = os.open(path, flags)
         else:
             self._fd = os.open(path, flags)
         self._size = os.fstat(self._fd).st_size
-
-    def _fallback(self) -> None:
-        _note_fallback(self.policy, self.path)
-        self.direct = False
 
     @property
     def size(self) -> int:
@@ -110,13 +107,17 @@ class PosixSource:
         (the engine pads its requests); anything else is read buffered.
         """
         align = self.policy.alignment
-        if self.direct and offset % align == 0 and len(buf) % align == 0:
-            try:
-                return self._read_loop(buf, offset, stop_on_unaligned=align)
-            except OSError as exc:
-                if exc.errno != errno.EINVAL:
-                    raise
-                self._reopen_buffered()
+        if self.direct:
+            if offset % align or len(buf) % align:
+                self._reopen(direct=False)  # an unaligned request: not a refusal
+            else:
+                try:
+                    return self._read_loop(buf, offset, stop_on_unaligned=align)
+                except OSError as exc:
+                    if exc.errno != errno.EINVAL:
+                        raise
+                    _note_fallback(self.policy, self.path)
+                    self._reopen(direct=False)
         return self._read_loop(buf, offset, stop_on_unaligned=0)
 
     def _read_loop(self, buf: memoryview, offset: int, *, stop_on_unaligned: int) -> int:
@@ -132,11 +133,11 @@ class PosixSource:
                 break
         return done
 
-    def _reopen_buffered(self) -> None:
-        self._fallback()
-        fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    def _reopen(self, *, direct: bool) -> None:
+        fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC | (os.O_DIRECT if direct else 0))
         os.close(self._fd)
         self._fd = fd
+        self.direct = direct
 
     def close(self) -> None:
         if self._fd >= 0:

@@ -182,8 +182,6 @@ def test_direct_and_buffered_writes_give_identical_files(
     assert tree_bytes(tmp_path / "local") == tree_bytes(model)
 
 
-def test_direct_writes_refused_by_the_filesystem_fall_back(
-    model: Path, small_tmpfs: Path
-) -> None:
+def test_direct_writes_refused_by_the_filesystem_fall_back(model: Path, small_tmpfs: Path) -> None:
     hydrate(model, small_tmpfs / "local", **{**FAST, "direct_io": "on"})
     assert tree_bytes(small_tmpfs / "local") == tree_bytes(model)
