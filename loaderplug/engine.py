@@ -18,12 +18,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno as errno_mod
+import functools
+import logging
 import mmap
-import os
 import queue
 import random
 import threading
+import traceback
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -39,8 +42,10 @@ from loaderplug.sinks import Sink
 from loaderplug.source import Identity, Source, aligned_buffer
 
 TRANSIENT_ERRNOS = frozenset({errno_mod.ENOMEM, errno_mod.EIO, errno_mod.EAGAIN})
-# Reads are padded to this so O_DIRECT requests stay aligned; buffers have room for it.
+# Buffers have this much room past a chunk, so a read padded up to the O_DIRECT alignment
+# (at most 64 KiB, see fs.direct_io_alignment) still fits.
 READ_PADDING = 64 * 1024
+log = logging.getLogger(__name__)
 
 
 class Cancelled(Exception):
@@ -163,8 +168,11 @@ class BufferPool:
 
     def close(self) -> None:
         for buffer, view in self._made:
-            view.release()
-            buffer.close()
+            # A slice still referenced elsewhere (say, by an exception being raised)
+            # keeps its buffer alive; it is freed with that reference instead.
+            with contextlib.suppress(BufferError):
+                view.release()
+                buffer.close()
         self._made.clear()
         self._free.clear()
 
@@ -245,6 +253,8 @@ class Engine:
         finally:
             self._pool.close()
         if self._crash is not None:
+            for job in files:
+                job.abort_unfinished()
             raise self._crash
         return [job.result for job in files if job.result is not None]
 
@@ -253,6 +263,8 @@ class Engine:
             try:
                 target()
             except BaseException as exc:  # a bug, not an IO error: stop the whole job
+                # Drop the frames so no buffer slice stays referenced from the traceback.
+                traceback.clear_frames(exc.__traceback__)
                 self._crash = exc
                 self._cancel.set()
 
@@ -275,7 +287,14 @@ class Engine:
 
     def _fail(self, job: FileJob, exc: BaseException, span: Span | None) -> None:
         if job.fail(exc, span):
-            self.pm.hook.loaderplug_on_file_done(job=self.job, result=job.result)
+            self._notify("loaderplug_on_file_done", job=self.job, result=job.result)
+
+    def _notify(self, hook: str, **kwargs: object) -> None:
+        """Call an observe hook; an observer that raises is logged, never fatal to a copy."""
+        try:
+            getattr(self.pm.hook, hook)(**kwargs)
+        except Exception:
+            log.warning("a plugin's %s raised; the copy goes on", hook, exc_info=True)
 
     # -- reading ----------------------------------------------------------------------
 
@@ -305,7 +324,13 @@ class Engine:
             length = min(self.chunk, end - offset)
             buffer = self._pool.take(self._cancel)
             try:
-                retries = self._read_with_retries(job, offset, length, buffer[1])
+                retries = self._retrying(
+                    job,
+                    offset,
+                    length,
+                    "reading",
+                    functools.partial(self._read_piece, job, offset, length, buffer[1]),
+                )
             except BaseException:
                 self._pool.give(buffer)
                 raise
@@ -313,20 +338,27 @@ class Engine:
                 span_left[1] += retries
             self._writes.put(_Write(job, span, offset, length, buffer, span_left))
 
-    def _read_with_retries(self, job: FileJob, offset: int, length: int, view: memoryview) -> int:
+    def _retrying(
+        self, job: FileJob, offset: int, length: int, action: str, op: Callable[[], None]
+    ) -> int:
+        """Run ``op`` until it succeeds, retrying transient errnos; returns the retries.
+
+        Reads and writes are both retried: ``pread`` and ``pwrite`` at a fixed offset
+        can be repeated, and a sync's destination is as flaky as a hydrate's source.
+        """
         attempts = self.settings.retry_attempts
         for attempt in range(attempts):
             if self._cancel.is_set() or job.failed:
                 raise Cancelled
             try:
-                self._read_piece(job, offset, length, view)
+                op()
                 return attempt
             except OSError as exc:
                 transient = exc.errno in TRANSIENT_ERRNOS
                 if not transient or attempt + 1 == attempts:
                     tries = f" after {attempt + 1} attempts" if transient else ""
                     raise HydrateError(
-                        f"reading bytes {offset}-{offset + length} failed{tries}: "
+                        f"{action} bytes {offset}-{offset + length} failed{tries}: "
                         f"{exc.strerror or exc}",
                         path=job.src,
                         range=(offset, length),
@@ -350,7 +382,8 @@ class Engine:
         )
         try:
             check_identity(job, source.identity())
-            padded = -(-length // 4096) * 4096
+            align = max(4096, job.policy.alignment)
+            padded = -(-length // align) * align
             got = source.pread_into(view[:padded], offset)
             if got < length:
                 raise HydrateError(
@@ -376,12 +409,17 @@ class Engine:
                     continue
                 if write.buffer is not None:
                     data = write.buffer[1][: write.length]
+
+                    land = functools.partial(_write_all, job.sinks, data, write.offset)
                     try:
-                        for sink in job.sinks:
-                            sink.write(data, write.offset)
-                    except OSError as exc:
-                        self._fail(job, _write_error(job, write, exc), write.span)
+                        retries = self._retrying(job, write.offset, write.length, "writing", land)
+                    except Cancelled:
                         continue
+                    except HydrateError as exc:
+                        self._fail(job, exc, write.span)
+                        continue
+                    with self._lock:
+                        write.span_left[1] += retries
             finally:
                 if write.buffer is not None:
                     self._pool.give(write.buffer)
@@ -397,7 +435,8 @@ class Engine:
         if not span_done:
             return
         span = write.span
-        self.pm.hook.loaderplug_on_range_done(
+        self._notify(
+            "loaderplug_on_range_done",
             job=self.job,
             path=write.job.rel,
             offset=span.offset,
@@ -409,22 +448,22 @@ class Engine:
 
     def _finish(self, job: FileJob) -> None:
         try:
-            check_identity(job, Identity.of(os.stat(job.src)))
+            source = first_result(
+                self.pm, "loaderplug_open_source", path=job.src, policy=job.policy
+            )
+            try:
+                check_identity(job, source.identity())
+            finally:
+                source.close()
             for sink in job.sinks:
                 sink.commit()
         except Exception as exc:
             job.fail(exc, None)
         else:
             job.mark_restored()
-        self.pm.hook.loaderplug_on_file_done(job=self.job, result=job.result)
+        self._notify("loaderplug_on_file_done", job=self.job, result=job.result)
 
 
-def _write_error(job: FileJob, write: _Write, exc: OSError) -> HydrateError:
-    error = HydrateError(
-        f"writing bytes {write.offset}-{write.offset + write.length} failed: {exc.strerror or exc}",
-        path=job.src,
-        range=(write.offset, write.length),
-        errno=exc.errno,
-    )
-    error.__cause__ = exc
-    return error
+def _write_all(sinks: Sequence[Sink], data: memoryview, offset: int) -> None:
+    for sink in sinks:
+        sink.write(data, offset)
