@@ -54,6 +54,8 @@ _MAGIC_TO_TYPE = {
     0xF2F52010: "f2fs",
 }
 
+MEMORY_TYPES = frozenset({"tmpfs", "ramfs"})
+
 DEFAULT_ALIGNMENT = 4096
 
 
@@ -162,6 +164,11 @@ def _nearest_existing(path: str) -> str:
 
 def is_buffered_type(fs_type: str) -> bool:
     return fs_type in BUFFERED_TYPES or fs_type.startswith("fuse.")
+
+
+def is_network_type(fs_type: str) -> bool:
+    """Buffered for being remote or userspace, not for living in memory."""
+    return is_buffered_type(fs_type) and fs_type not in MEMORY_TYPES
 
 
 def direct_io_alignment(path: str | os.PathLike[str]) -> int:

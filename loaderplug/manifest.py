@@ -1,9 +1,11 @@
 """The mirror's manifest: every synced file with its size and mtime, written last.
 
-``sync`` writes the manifest only after every file landed, atomically (temp + rename), so
-its presence means "this listing is complete". ``hydrate`` then trusts it over a walk: a
-file whose size disagrees (a sync still under way, or one that landed after the manifest
-was read) is refused rather than copied half-new.
+``sync`` writes the manifest after every file landed or failed, atomically (temp +
+rename). It records each file's size and mtime *as the mirror shows them*, and lists the
+files whose sync failed as ``incomplete``, so nothing is dropped silently. ``hydrate``
+then trusts it over a walk: a file whose size or mtime disagrees (a sync under way, or
+one that landed after the manifest was written) is refused rather than copied half-new,
+and an incomplete file is reported as failed.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from loaderplug.errors import MirrorError
-from loaderplug.sinks import fsync_dir
+from loaderplug.sinks import fsync_dir, temp_name_for
 from loaderplug.tree import MANIFEST_NAME, path_problem, symlink_problem
 
 VERSION = 1
@@ -25,7 +27,7 @@ VERSION = 1
 class Manifest:
     files: dict[str, tuple[int, int]] = field(default_factory=dict)  # rel → (size, mtime_ns)
     symlinks: dict[str, str] = field(default_factory=dict)
-    refused: dict[str, str] = field(default_factory=dict)
+    refused: dict[str, str] = field(default_factory=dict)  # rel → why it is not hydrated
 
 
 def read(root: Path) -> Manifest | None:
@@ -53,6 +55,11 @@ def read(root: Path) -> Manifest | None:
                 manifest.refused[rel] = problem
             else:
                 manifest.symlinks[rel] = str(target)
+        for rel, reason in data.get("incomplete", {}).items():
+            manifest.refused[rel] = (
+                f"the last sync of this file to the mirror failed ({reason}); "
+                f"run `loaderplug sync` again"
+            )
     except (ValueError, TypeError, KeyError, AttributeError) as exc:
         raise MirrorError(
             f"manifest {path} is malformed ({exc}); run `loaderplug sync` again to rewrite it"
@@ -60,17 +67,27 @@ def read(root: Path) -> Manifest | None:
     return manifest
 
 
-def write(root: Path, files: dict[str, tuple[int, int]], symlinks: dict[str, str]) -> Path:
-    """Write the manifest atomically and durably; returns its path."""
+def write(
+    root: Path,
+    files: dict[str, tuple[int, int]],
+    symlinks: dict[str, str],
+    incomplete: dict[str, str],
+) -> Path:
+    """Write the manifest atomically and durably; returns its path.
+
+    ``files`` maps each path to (size, mtime_ns) as the mirror shows it; ``incomplete``
+    maps each path whose sync failed to the reason.
+    """
     payload: dict[str, Any] = {
         "version": VERSION,
         "files": {
             rel: {"size": size, "mtime_ns": mtime} for rel, (size, mtime) in sorted(files.items())
         },
         "symlinks": dict(sorted(symlinks.items())),
+        "incomplete": dict(sorted(incomplete.items())),
     }
     path = root / MANIFEST_NAME
-    temp = root / f"{MANIFEST_NAME}.{os.getpid()}.tmp"
+    temp = temp_name_for(path)  # swept like any other temp file if this process dies
     with open(temp, "w", encoding="utf-8") as f:
         json.dump(payload, f, indent=1)
         f.flush()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import logging
 import os
 import secrets
 from pathlib import Path
@@ -18,6 +19,7 @@ from typing import Protocol
 from loaderplug.errors import HydrateError
 
 TEMP_SUFFIX = ".loaderplug-tmp"
+log = logging.getLogger(__name__)
 
 
 class Sink(Protocol):
@@ -59,15 +61,24 @@ class FileSink:
     """Assembles ``dst`` in a preallocated temp file and renames it into place."""
 
     def __init__(
-        self, dst: Path, size: int, mtime_ns: int, *, fsync: bool, direct_alignment: int = 0
+        self,
+        dst: Path,
+        size: int,
+        mtime_ns: int,
+        *,
+        fsync: bool,
+        direct_alignment: int = 0,
+        preallocate: bool = True,
     ) -> None:
         """``direct_alignment`` > 0 writes aligned ranges with O_DIRECT (local block
-        filesystems): no page-cache copy, no dirty pages for the final fsync to flush."""
+        filesystems): no page-cache copy, no dirty pages for the final fsync to flush.
+        ``preallocate`` reserves the file's blocks before the first write."""
         self.dst = dst
         self.size = size
         self.mtime_ns = mtime_ns
         self.fsync = fsync
         self.direct_alignment = direct_alignment
+        self.preallocate = preallocate
         self.temp = temp_name_for(dst)
 
     def prepare(self) -> None:
@@ -97,6 +108,9 @@ class FileSink:
         # Reserving every block up front turns a full disk into one clear error before any
         # byte is read, instead of a failure halfway through a multi-GiB file.
         if self.size == 0:
+            return
+        if not self.preallocate:
+            os.ftruncate(fd, self.size)
             return
         try:
             os.posix_fallocate(fd, 0, self.size)
@@ -145,8 +159,11 @@ class FileSink:
                 os.close(fd)
         os.replace(self.temp, self.dst)
         if self.fsync:
-            fsync_dir(self.dst.parent)
+            try:
+                fsync_dir(self.dst.parent)
+            except OSError as exc:  # published already: say so, but it is not a failure
+                log.warning("%s is in place but its folder could not be fsync'd: %s", self.dst, exc)
 
     def abort(self) -> None:
-        with contextlib.suppress(FileNotFoundError):
+        with contextlib.suppress(FileNotFoundError, NotADirectoryError):
             os.unlink(self.temp)

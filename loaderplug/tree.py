@@ -14,6 +14,7 @@ import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from loaderplug.errors import MirrorError
 from loaderplug.sinks import is_temp_name
 
 LOCK_NAME = ".loaderplug.lock"
@@ -62,7 +63,14 @@ def walk(root: Path) -> Tree:
     pending = [""]
     while pending:
         rel_dir = pending.pop()
-        with os.scandir(root / rel_dir if rel_dir else root) as entries:
+        folder = root / rel_dir if rel_dir else root
+        try:
+            entries = os.scandir(folder)
+        except OSError as exc:
+            raise MirrorError(
+                f"cannot list {folder}: {exc.strerror or exc}; check its permissions"
+            ) from exc
+        with entries:
             for entry in entries:
                 if is_own_name(entry.name):
                     continue

@@ -8,7 +8,9 @@ the destination's cross-process lock; sync writes the mirror's manifest last.
 
 from __future__ import annotations
 
+import mmap
 import os
+import posixpath
 import stat
 import sys
 import time
@@ -22,7 +24,7 @@ import pluggy
 from loaderplug import manifest as manifest_mod
 from loaderplug.engine import Engine, FileJob
 from loaderplug.errors import MirrorError, TransferFailed
-from loaderplug.fs import IOPolicy
+from loaderplug.fs import IOPolicy, is_network_type
 from loaderplug.lock import locked
 from loaderplug.plugins import first_result, plugin_manager
 from loaderplug.report import FileResult, TransferReport
@@ -63,17 +65,23 @@ def _list_source(src: Path, use_manifest: bool) -> _Listing:
         files = {rel: Identity.of(st) for rel, st in tree.files.items()}
         return _Listing(files, tree.symlinks, tree.dirs, dict(tree.refused))
     listing = _Listing({}, dict(manifest.symlinks), [], dict(manifest.refused))
-    for rel, (size, _mtime) in manifest.files.items():
+    root = os.path.realpath(src)
+    for rel, (size, mtime_ns) in manifest.files.items():
+        path = src / rel
         try:
-            st = os.lstat(src / rel)
+            st = os.lstat(path)
         except FileNotFoundError:
             listing.refused[rel] = "listed in the mirror's manifest but missing on the mirror"
             continue
-        if not stat.S_ISREG(st.st_mode):
+        if not os.path.realpath(path).startswith(root + os.sep):
+            # A folder on the way is a symlink that leads out of the mirror.
+            listing.refused[rel] = "resolves outside the mirror root and is refused"
+        elif not stat.S_ISREG(st.st_mode):
             listing.refused[rel] = "listed in the manifest but not a regular file on the mirror"
-        elif st.st_size != size:
+        elif (st.st_size, st.st_mtime_ns) != (size, mtime_ns):
             listing.refused[rel] = (
-                f"size on the mirror ({st.st_size}) disagrees with its manifest ({size}); "
+                f"changed since the mirror's manifest was written (size {st.st_size}, "
+                f"mtime_ns {st.st_mtime_ns}; the manifest says {size}, {mtime_ns}); "
                 f"a sync may be under way: retry when it finishes"
             )
         else:
@@ -84,7 +92,7 @@ def _list_source(src: Path, use_manifest: bool) -> _Listing:
 def _is_current(dst: Path, identity: Identity) -> bool:
     try:
         st = os.lstat(dst)
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):
         return False
     return (
         stat.S_ISREG(st.st_mode)
@@ -93,7 +101,24 @@ def _is_current(dst: Path, identity: Identity) -> bool:
     )
 
 
-def _place_symlink(dst_root: Path, rel: str, target: str) -> FileResult:
+def _make_dirs(dst: Path, dirs: list[str]) -> list[FileResult]:
+    """Create the source's folders (empty ones included); a clash is that path's failure."""
+    failures = []
+    for rel in dirs:
+        try:
+            (dst / rel).mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            reason = f"cannot create the folder: {exc.strerror or exc}"
+            failures.append(FileResult(rel, "failed", reason=reason, errno=exc.errno))
+    return failures
+
+
+def _place_symlink(dst_root: Path, rel: str, target: str, failed: set[str]) -> FileResult:
+    """Recreate one relative symlink, unless what it points at failed to copy."""
+    pointee = posixpath.normpath(posixpath.join(posixpath.dirname(rel), target))
+    if pointee in failed:
+        reason = f"not linked: its target {pointee} failed to copy"
+        return FileResult(rel, "failed", reason=reason)
     dst = dst_root / rel
     try:
         if os.path.islink(dst) and os.readlink(dst) == target:
@@ -162,7 +187,11 @@ def _file_jobs(
             identity.size,
             identity.mtime_ns,
             fsync=settings.fsync,
-            direct_alignment=target.alignment if target.direct else 0,
+            # Direct writes in whole pages only: a buffered tail must never share a page
+            # with another range's direct write.
+            direct_alignment=max(target.alignment, mmap.PAGESIZE) if target.direct else 0,
+            # On a network filesystem glibc would emulate fallocate with a write per block.
+            preallocate=not is_network_type(target.fs_type),
         )
         jobs.append(FileJob(rel, str(src / rel), identity, [sink], policy_for(src / rel)))
     return jobs, skipped
@@ -196,10 +225,9 @@ def transfer(
             leftover.unlink(missing_ok=True)
         listing = _list_source(src, use_manifest)
         started = time.monotonic()
-        for rel in listing.dirs:
-            (dst / rel).mkdir(parents=True, exist_ok=True)
+        dir_failures = _make_dirs(dst, listing.dirs)
         jobs, skipped = _file_jobs(listing, src, dst, settings, pm)
-        report.results.extend(skipped)
+        report.results.extend(skipped + dir_failures)
         on_bytes, bar = _progress(settings, sum(j.size for j in jobs), f"{job} {src.name}")
         engine = Engine(settings, pm, job=job, on_bytes=on_bytes)
         try:
@@ -207,13 +235,16 @@ def transfer(
         finally:
             if bar is not None:
                 bar.close()
-        others = [_place_symlink(dst, rel, t) for rel, t in sorted(listing.symlinks.items())]
+        failed = {r.path for r in report.results if r.status == "failed"}
+        others = [
+            _place_symlink(dst, rel, t, failed) for rel, t in sorted(listing.symlinks.items())
+        ]
         others += [
             FileResult(rel, "failed", reason=r) for rel, r in sorted(listing.refused.items())
         ]
         report.results.extend(others)
         # The engine told observers about the files it copied; these are the rest.
-        for result in skipped + others:
+        for result in skipped + dir_failures + others:
             pm.hook.loaderplug_on_file_done(job=job, result=result)
         if write_manifest:
             _write_manifest(dst, listing, report)
@@ -226,20 +257,20 @@ def transfer(
 
 
 def _write_manifest(dst: Path, listing: _Listing, report: TransferReport) -> None:
-    # List only what is on the mirror now, byte for byte as the source had it, so a
-    # failed file is never advertised.
-    status = {r.path: r.status for r in report.results}
-    files = {
-        rel: (ident.size, ident.mtime_ns)
-        for rel, ident in listing.files.items()
-        if status.get(rel) in ("restored", "skipped")
-    }
-    links = {
-        rel: target
-        for rel, target in listing.symlinks.items()
-        if status.get(rel) in ("linked", "skipped")
-    }
-    manifest_mod.write(dst, files, links)
+    # Files as the mirror shows them now (its own size and mtime, so a filesystem with
+    # coarse timestamps still matches), and every failure by name: a failed file is
+    # reported by the next hydrate instead of silently missing.
+    files, links, incomplete = {}, {}, {}
+    for result in report.results:
+        rel = result.path
+        if result.status == "failed":
+            incomplete[rel] = result.reason
+        elif rel in listing.symlinks:
+            links[rel] = listing.symlinks[rel]
+        else:
+            st = os.lstat(dst / rel)
+            files[rel] = (st.st_size, st.st_mtime_ns)
+    manifest_mod.write(dst, files, links, incomplete)
 
 
 def hydrate(

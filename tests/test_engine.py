@@ -8,7 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from loaderplug import TransferFailed, hydrate
+from loaderplug import IOPolicy, TransferFailed, hydrate
+from loaderplug.hookspecs import hookimpl
+from loaderplug.plugins import plugin_manager
+from loaderplug.source import PosixSource
 from tests.conftest import FAST, leftover_temps, tree_bytes
 
 
@@ -104,7 +107,7 @@ def test_changed_size_or_mtime_is_copied_again(model: Path, tmp_path: Path) -> N
     assert [r.path for r in report.restored] == ["config.json"]
 
 
-def test_source_shorter_than_pinned_is_refused(model: Path, tmp_path: Path, inject) -> None:
+def test_source_truncated_after_listing_is_refused(model: Path, tmp_path: Path) -> None:
     # The source is truncated after it was listed (identity pinned), before its reads.
     shard = model / "model-00004-of-00004.safetensors"
     size = shard.stat().st_size
@@ -112,16 +115,12 @@ def test_source_shorter_than_pinned_is_refused(model: Path, tmp_path: Path, inje
     class Truncate:
         done = False
 
-        from loaderplug.hookspecs import hookimpl
-
         @hookimpl(hookwrapper=True)
-        def loaderplug_open_source(self, path: str, policy: object):  # type: ignore[no-untyped-def]
+        def loaderplug_open_source(self, path: str, policy: IOPolicy):  # type: ignore[no-untyped-def]
             if path == str(shard) and not self.done:
                 self.done = True
                 os.truncate(shard, size // 2)
             yield
-
-    from loaderplug.plugins import plugin_manager
 
     plugin = Truncate()
     plugin_manager().register(plugin)
@@ -133,6 +132,33 @@ def test_source_shorter_than_pinned_is_refused(model: Path, tmp_path: Path, inje
     assert "source changed while being copied" in report.failed[0].reason
     assert not (tmp_path / "local" / shard.name).exists()
     assert leftover_temps(tmp_path / "local") == []
+
+
+class ShortSource(PosixSource):
+    """A backend that reports the full size but runs out of bytes half-way."""
+
+    def pread_into(self, buf: memoryview, offset: int) -> int:
+        limit = self.size // 2
+        if offset >= limit:
+            return 0
+        return super().pread_into(buf[: limit - offset], offset)
+
+
+def test_a_source_that_ends_early_is_refused_not_zero_padded(model: Path, tmp_path: Path) -> None:
+    class Short:
+        @hookimpl
+        def loaderplug_open_source(self, path: str, policy: IOPolicy) -> ShortSource | None:
+            return ShortSource(path, policy) if "00003" in path else None
+
+    plugin = Short()
+    plugin_manager().register(plugin)
+    try:
+        report = hydrate(model, tmp_path / "local", check=False, **FAST)
+    finally:
+        plugin_manager().unregister(plugin)
+    assert [r.path for r in report.failed] == ["model-00003-of-00004.safetensors"]
+    assert "source is shorter than expected" in report.failed[0].reason
+    assert not (tmp_path / "local" / "model-00003-of-00004.safetensors").exists()
 
 
 def test_full_destination_fails_clearly_and_publishes_nothing(
@@ -162,7 +188,9 @@ def test_temp_files_of_a_killed_run_are_swept(model: Path, tmp_path: Path) -> No
     assert not stale.exists()
 
 
-def test_explicit_large_chunk_keeps_memory_within_the_budget(model: Path, tmp_path: Path) -> None:
+def test_an_explicit_chunk_is_kept_and_the_budget_limits_the_workers(
+    model: Path, tmp_path: Path
+) -> None:
     report = hydrate(
         model, tmp_path / "local", chunk_bytes="1M", bytes_in_flight="2M", progress=False
     )

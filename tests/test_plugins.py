@@ -217,3 +217,19 @@ def test_disabling_the_builtin_plugin_is_a_clear_error(model: Path, tmp_path: Pa
     pm = plugin_manager(("loaderplug.builtin",))
     with pytest.raises(PluginError, match="no plugin answered loaderplug_io_policy"):
         first_result(pm, "loaderplug_io_policy", path=str(model), mode="auto")
+
+
+def test_an_observer_that_raises_does_not_fail_the_copy(
+    model: Path, tmp_path: Path, register, caplog: pytest.LogCaptureFixture
+) -> None:
+    class Broken:
+        @hookimpl
+        def loaderplug_on_range_done(
+            self, job: str, path: str, offset: int, length: int, retries: int
+        ) -> None:
+            raise RuntimeError("metrics backend down")
+
+    register(Broken())
+    report = hydrate(model, tmp_path / "local", **FAST)
+    assert report.ok and tree_bytes(tmp_path / "local") == tree_bytes(model)
+    assert "loaderplug_on_range_done raised" in caplog.text

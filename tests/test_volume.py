@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 from pathlib import Path
@@ -95,7 +96,7 @@ def test_hydrate_refuses_files_whose_size_disagrees_with_the_manifest(
     os.truncate(mirror / shard, 1000)
     report = hydrate(mirror, tmp_path / "local", check=False, **FAST)
     assert [r.path for r in report.failed] == [shard]
-    assert "disagrees with its manifest" in report.failed[0].reason
+    assert "changed since the mirror's manifest was written" in report.failed[0].reason
     assert not (tmp_path / "local" / shard).exists()
     assert len(report.restored) == 5
 
@@ -146,3 +147,66 @@ def test_overlapping_source_and_destination_are_refused(
     dst = {"same": model, "inside": model / "copy", "around": tmp_path}[where]
     with pytest.raises(MirrorError, match="overlap"):
         hydrate(model, dst)
+
+
+def test_a_failed_sync_is_reported_by_the_next_hydrate(model: Path, tmp_path: Path, inject) -> None:
+    shard = "model-00002-of-00004.safetensors"
+    inject(errno.EACCES, match=shard)
+    synced = sync(model, tmp_path / "m", check=False, **FAST)
+    assert [r.path for r in synced.failed] == [shard]
+    manifest = json.loads((tmp_path / "m" / MANIFEST_NAME).read_text())
+    assert shard in manifest["incomplete"] and shard not in manifest["files"]
+    report = hydrate(tmp_path / "m", tmp_path / "local", check=False, **FAST)
+    assert [r.path for r in report.failed] == [shard]
+    assert "the last sync of this file to the mirror failed" in report.failed[0].reason
+
+
+def test_a_same_size_file_replaced_after_sync_is_refused(model: Path, tmp_path: Path) -> None:
+    sync(model, tmp_path / "m", **FAST)
+    shard = tmp_path / "m" / "model-00003-of-00004.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[100] ^= 0xFF  # a new checkpoint of the same size, written in place
+    shard.write_bytes(bytes(data))
+    report = hydrate(tmp_path / "m", tmp_path / "local", check=False, **FAST)
+    assert [r.path for r in report.failed] == [shard.name]
+    assert not (tmp_path / "local" / shard.name).exists()
+
+
+def test_a_manifest_path_through_a_symlinked_folder_is_refused(model: Path, tmp_path: Path) -> None:
+    sync(model, tmp_path / "m", **FAST)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "secret").write_text("not part of the model")
+    (tmp_path / "m" / "d").symlink_to(outside)
+    manifest = json.loads((tmp_path / "m" / MANIFEST_NAME).read_text())
+    st = (outside / "secret").stat()
+    manifest["files"]["d/secret"] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns}
+    (tmp_path / "m" / MANIFEST_NAME).write_text(json.dumps(manifest))
+    report = hydrate(tmp_path / "m", tmp_path / "local", check=False, **FAST)
+    assert [r.path for r in report.failed] == ["d/secret"]
+    assert "outside the mirror root" in report.failed[0].reason
+    assert not (tmp_path / "local" / "d" / "secret").exists()
+
+
+def test_a_symlink_whose_target_failed_is_not_placed(model: Path, tmp_path: Path, inject) -> None:
+    (model / "latest").symlink_to("model-00001-of-00004.safetensors")
+    inject(errno.EACCES, match="00001")
+    report = hydrate(model, tmp_path / "local", check=False, **FAST)
+    failed = {r.path: r.reason for r in report.failed}
+    assert set(failed) == {"model-00001-of-00004.safetensors", "latest"}
+    assert "its target model-00001-of-00004.safetensors failed" in failed["latest"]
+    assert not (tmp_path / "local" / "latest").is_symlink()
+
+
+def test_a_file_where_the_mirror_has_a_folder_fails_that_path_only(
+    model: Path, tmp_path: Path
+) -> None:
+    (model / "sub").mkdir()
+    (model / "sub" / "x.bin").write_bytes(b"x" * 10)
+    local = tmp_path / "local"
+    local.mkdir()
+    (local / "sub").write_text("a file in the way")
+    report = hydrate(model, local, check=False, **FAST)
+    assert {r.path for r in report.failed} == {"sub", "sub/x.bin"}
+    assert "cannot create the folder" in {r.path: r.reason for r in report.failed}["sub"]
+    assert len(report.restored) == 6

@@ -7,6 +7,7 @@ third-party backend would use.
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 
@@ -19,6 +20,9 @@ from loaderplug.source import PosixSource
 
 class SlowSource(PosixSource):
     def pread_into(self, buf: memoryview, offset: int) -> int:
+        if READ_LOG:  # one line per read started, for tests that count them
+            with open(READ_LOG, "a") as log:
+                log.write(f"{offset}\n")
         time.sleep(DELAY_S)
         return super().pread_into(buf, offset)
 
@@ -30,5 +34,6 @@ class SlowPlugin:
 
 
 DELAY_S = float(sys.argv[1])
+READ_LOG = os.environ.get("SLOW_HYDRATE_READ_LOG", "")
 plugin_manager().register(SlowPlugin())
 sys.exit(main(sys.argv[2:]))
