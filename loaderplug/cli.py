@@ -12,9 +12,9 @@ import sys
 from collections.abc import Sequence
 from types import FrameType
 
-from loaderplug.errors import LoaderplugError
+from loaderplug.errors import LoaderplugError, SettingsError
 from loaderplug.report import TransferReport
-from loaderplug.settings import from_env
+from loaderplug.settings import BY_FIELD, Settings, from_env
 from loaderplug.volume import hydrate, sync
 
 EXIT_FAILED = 1
@@ -54,6 +54,26 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+FLAGS = {
+    "hydrate_workers": "workers",
+    "chunk_bytes": "chunk_bytes",
+    "bytes_in_flight": "bytes_in_flight",
+}
+
+
+def _settings_from_flags(args: argparse.Namespace) -> Settings:
+    """Settings from the environment, overridden by flags; a bad flag is named as such."""
+    overrides = {field: getattr(args, flag) for field, flag in FLAGS.items()}
+    base = from_env()
+    for field, raw in overrides.items():
+        try:
+            base = base.replace(**{field: raw})
+        except SettingsError as exc:
+            option = "--" + FLAGS[field].replace("_", "-")
+            raise SettingsError(str(exc).replace(BY_FIELD[field].name, option)) from None
+    return base
+
+
 def _print_report(report: TransferReport, as_json: bool) -> int:
     if as_json:
         print(json.dumps(report.to_dict(), indent=2))
@@ -78,11 +98,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             from loaderplug.demo import run_demo
 
             return run_demo(size_mib=args.size_mib, shards=args.shards)
-        settings = from_env(
-            hydrate_workers=args.workers,
-            chunk_bytes=args.chunk_bytes,
-            bytes_in_flight=args.bytes_in_flight,
-        )
+        settings = _settings_from_flags(args)
         job = hydrate if args.command == "hydrate" else sync
         report = job(args.src, args.dst, check=False, settings=settings)
         return _print_report(report, args.json)

@@ -1,9 +1,9 @@
 """The range executor: N readers pull spans from one lazy plan; writers land them in sinks.
 
 * Memory is bounded by one pool of aligned buffers, ``bytes in flight / chunk`` of them:
-  at most ``workers x chunk`` bytes are being read from the volume at once, and any
-  spare buffers let a reader start its next range while the last one is still being
-  written to local disk, so the slow volume stream never waits for the fast disk.
+  at most ``workers x chunk`` bytes are being read from the volume at once. When the
+  budget holds more buffers than workers (small jobs get smaller ranges), the spares let
+  a reader start its next range while its last one is still being written to disk.
 * Each span is read with ``pread`` from a source the reader opened itself, into a
   buffer of its own, then written with ``pwrite`` to every sink of its file.
 * ENOMEM, EIO and EAGAIN are retried per span with exponential backoff and full jitter;

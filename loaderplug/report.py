@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
+from loaderplug.settings import format_size
+
 Status = Literal["restored", "skipped", "linked", "failed"]
 
 
@@ -82,7 +84,7 @@ class TransferReport:
             f"{len(self.skipped)} skipped, {len(self.failed)} failed; "
             f"{self.bytes_copied / (1 << 20):.1f} MiB in {self.seconds:.2f} s "
             f"({self.mib_per_s:.1f} MiB/s), {self.retries} retries, "
-            f"{self.workers} workers x {self.chunk_bytes >> 20} MiB"
+            f"{self.workers} workers x {format_size(self.chunk_bytes)}"
         ]
         if self.results and not self.restored and not self.linked and self.ok:
             lines.append("nothing to do: every file is already up to date")

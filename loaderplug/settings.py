@@ -208,8 +208,7 @@ class Settings:
         if self.chunk_bytes is not None:
             return chunk
         per_worker = total_bytes // (self.hydrate_workers * RANGES_PER_WORKER)
-        # A power of two divides typical shard sizes evenly, so no file ends in a
-        # range that is almost a whole range short of the others.
+        # A power of two keeps ranges aligned for O_DIRECT and sizes predictable.
         fitted = max(4 * MiB, 1 << max(per_worker, 1).bit_length() - 1)
         return min(chunk, fitted)
 
