@@ -12,6 +12,7 @@ The volume is the FUSE test volume set like an object-store mount: 40 MiB/s per 
 320 MiB/s for the mount, 2 ms per request. Then loaderplug's peak RSS is measured on a
 1 GiB and a 4 GiB model against its budget (bytes in flight + 150 MiB).
 
+    apt-get install -y fuse3 time && pip install -e '.[bench]'
     python benchmarks/hydrate_bench.py            # full: ~1 GiB models, 3 rounds
     python benchmarks/hydrate_bench.py --quick    # 256 MiB models, 1 round
 
@@ -259,6 +260,10 @@ def main() -> None:
     reason = fuse_unavailable_reason()
     if not Path("/usr/bin/time").exists():
         reason = "GNU time is missing (apt-get install time)"
+    try:
+        import runpod  # noqa: F401
+    except ImportError:
+        reason = "the runpod package is missing (pip install -e '.[bench]')"
     if reason:
         raise SystemExit(f"this benchmark needs the FUSE test volume: {reason}")
     size = 256 * MiB if args.quick else 1 << 30
