@@ -85,7 +85,8 @@ REGISTRY: tuple[Variable, ...] = (
         "chunk_bytes",
         "size",
         None,
-        "Range size. Unset: bytes in flight / workers, at most 64 MiB. Set: used as is.",
+        "Range size. Unset: bytes in flight / workers, at most 64 MiB, less for small jobs "
+        "(about 8 ranges per worker, at least 4 MiB). Set: used as is.",
         minimum=4 * KiB,
         maximum=4 * GiB,
     ),
