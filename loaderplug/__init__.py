@@ -41,8 +41,19 @@ __all__ = [
     "hookimpl",
     "hydrate",
     "io_policy",
+    "iter_tensors",
+    "load_file",
     "sync",
 ]
+
+
+def __getattr__(name: str) -> object:
+    # The reader needs torch; import it only when someone asks for it.
+    if name in ("iter_tensors", "load_file"):
+        from loaderplug import reader
+
+        return getattr(reader, name)
+    raise AttributeError(f"module 'loaderplug' has no attribute {name!r}")
 
 
 def io_policy(path: str, direct_io: str | None = None) -> IOPolicy:

@@ -48,6 +48,13 @@ READ_PADDING = 64 * 1024
 log = logging.getLogger(__name__)
 
 
+def backoff_s(settings: Settings, attempt: int) -> float:
+    """Seconds to wait before retry ``attempt + 1``: exponential, with full jitter, so
+    retries from many workers spread out instead of hitting the volume in lockstep."""
+    ceiling_ms = min(settings.retry_max_ms, settings.retry_base_ms * 2**attempt)
+    return random.uniform(0, ceiling_ms) / 1000
+
+
 class Cancelled(Exception):
     """Raised inside a worker when the job was cancelled."""
 
@@ -216,6 +223,10 @@ class Engine:
         self._pool = BufferPool(0, 0)
         self._crash: BaseException | None = None
 
+    def cancel(self) -> None:
+        """Stop from another thread: readers stop within about one range's time."""
+        self._cancel.set()
+
     # -- orchestration ------------------------------------------------------------
 
     def run(self, files: Sequence[FileJob]) -> list[FileResult]:
@@ -370,10 +381,7 @@ class Engine:
         raise AssertionError("unreachable")
 
     def _backoff(self, attempt: int) -> None:
-        ceiling_ms = min(self.settings.retry_max_ms, self.settings.retry_base_ms * 2**attempt)
-        # Full jitter: retries from many workers spread out instead of hitting the
-        # volume again in lockstep.
-        if self._cancel.wait(random.uniform(0, ceiling_ms) / 1000):
+        if self._cancel.wait(backoff_s(self.settings, attempt)):
             raise Cancelled
 
     def _read_piece(self, job: FileJob, offset: int, length: int, view: memoryview) -> None:

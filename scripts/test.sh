@@ -11,6 +11,9 @@ if ! command -v fusermount3 >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&
   $sudo_cmd apt-get install -y -qq fuse3 >/dev/null
 fi
 python -m pip install -q -e '.[test]'
+# The reader's tests compare with safetensors; torch 2.13.0 is the CPU build this
+# machine kind serves quickly (a newer one would pull a CUDA build).
+python -m pip install -q torch==2.13.0 safetensors
 
 ruff check .
 ruff format --check .

@@ -1,0 +1,256 @@
+"""Streaming safetensors reader: tensors are yielded as soon as their last byte lands.
+
+Files are read by the range engine (range-parallel, under the IO policy of each file);
+a :class:`TensorSink` per file scatters every landed range into the tensors it covers and
+hands over each tensor the moment it is complete, while other ranges are still in
+flight. Each yielded tensor owns its memory: it is never a view into a reused buffer.
+
+With ``local_dir`` the same pass also hydrates: each range read from the mirror is
+written to a local temp file (with hydrate's guarantees) and fed to the tensor sink, so
+every byte is read from the volume once.
+"""
+
+from __future__ import annotations
+
+import bisect
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import pluggy
+
+from loaderplug.engine import TRANSIENT_ERRNOS, Engine, FileJob, backoff_s
+from loaderplug.errors import FormatError, HydrateError, LoaderplugError, TransferFailed
+from loaderplug.fs import IOPolicy
+from loaderplug.header import LENGTH_BYTES, Header, TensorInfo, header_length, parse_header
+from loaderplug.plugins import first_result, plugin_manager
+from loaderplug.report import TransferReport
+from loaderplug.settings import Settings, from_env
+from loaderplug.sinks import FileSink, Sink
+from loaderplug.source import Identity, Source
+
+if TYPE_CHECKING:
+    import torch
+
+# safetensors dtype → torch attribute; a dtype the installed torch lacks is a clear error.
+TORCH_DTYPES = {
+    "F64": "float64",
+    "F32": "float32",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "I64": "int64",
+    "I32": "int32",
+    "I16": "int16",
+    "I8": "int8",
+    "U8": "uint8",
+    "U16": "uint16",
+    "U32": "uint32",
+    "U64": "uint64",
+    "BOOL": "bool",
+    "C64": "complex64",
+    "F8_E4M3": "float8_e4m3fn",
+    "F8_E4M3FNUZ": "float8_e4m3fnuz",
+    "F8_E5M2": "float8_e5m2",
+    "F8_E5M2FNUZ": "float8_e5m2fnuz",
+    "F8_E8M0": "float8_e8m0fnu",
+}
+
+
+def _torch() -> Any:
+    try:
+        import torch
+    except ImportError as exc:
+        raise LoaderplugError(
+            "reading tensors needs torch: pip install 'loaderplug[torch]'"
+        ) from exc
+    return torch
+
+
+def torch_dtype(path: str, name: str, dtype: str) -> torch.dtype:
+    found = getattr(_torch(), TORCH_DTYPES.get(dtype, ""), None)
+    if found is None:
+        raise FormatError(f"{path}: tensor {name!r}: dtype {dtype} is not supported by this torch")
+    return found  # type: ignore[no-any-return]
+
+
+def read_header(source: Source, path: str) -> Header:
+    """Read and validate the header of an open source (two small reads)."""
+    size = source.size
+    first = bytearray(min(size, LENGTH_BYTES))
+    got = source.pread_into(memoryview(first), 0)
+    n = header_length(path, bytes(first[:got]), size)
+    raw = bytearray(n)
+    if source.pread_into(memoryview(raw), LENGTH_BYTES) < n:
+        raise FormatError(f"{path}: file ended inside its header")
+    return parse_header(path, bytes(raw), size)
+
+
+def _read_header_retrying(
+    pm: pluggy.PluginManager, settings: Settings, path: str, policy: IOPolicy
+) -> tuple[Identity, Header]:
+    """The file's identity and header, retrying transient errors like the engine does."""
+    for attempt in range(settings.retry_attempts):
+        try:
+            source: Source = first_result(pm, "loaderplug_open_source", path=path, policy=policy)
+            try:
+                return source.identity(), read_header(source, path)
+            finally:
+                source.close()
+        except OSError as exc:
+            if exc.errno not in TRANSIENT_ERRNOS or attempt + 1 == settings.retry_attempts:
+                raise HydrateError(
+                    f"reading the header failed: {exc.strerror or exc}", path=path, errno=exc.errno
+                ) from exc
+            time.sleep(backoff_s(settings, attempt))
+    raise AssertionError("unreachable")
+
+
+class TensorSink:
+    """Scatters landed ranges into per-tensor buffers; emits each tensor once complete."""
+
+    def __init__(
+        self, header: Header, device: str, emit: Callable[[str, torch.Tensor], None]
+    ) -> None:
+        self.header = header
+        self.device = device
+        self.emit = emit
+        self._dtypes = {t.name: torch_dtype(header.path, t.name, t.dtype) for t in header.tensors}
+        self._tensors = [t for t in header.tensors if t.nbytes]
+        self._starts = [t.begin for t in self._tensors]
+        self._buffers: dict[str, Any] = {}
+        self._left: dict[str, int] = {}
+        self._lock = threading.Lock()
+        self._aborted = False
+
+    def prepare(self) -> None:
+        torch = _torch()
+        for t in self._tensors:
+            # One owned allocation per tensor: what is yielded is never a view into a
+            # staging buffer that a later range would overwrite.
+            self._buffers[t.name] = torch.empty(t.nbytes, dtype=torch.uint8)
+            self._left[t.name] = t.nbytes
+        for t in self.header.tensors:
+            if not t.nbytes:
+                self._deliver(t, torch.empty(0, dtype=torch.uint8))
+
+    def write(self, data: memoryview, offset: int) -> None:
+        torch = _torch()
+        end = offset + len(data)
+        first = max(0, bisect.bisect_right(self._starts, offset) - 1)
+        done: list[TensorInfo] = []
+        for t in self._tensors[first:]:
+            if t.begin >= end:
+                break
+            lo, hi = max(offset, t.begin), min(end, t.end)
+            if lo >= hi:
+                continue
+            chunk = torch.frombuffer(data[lo - offset : hi - offset], dtype=torch.uint8)
+            self._buffers[t.name][lo - t.begin : hi - t.begin].copy_(chunk)
+            with self._lock:
+                self._left[t.name] -= hi - lo
+                if self._left[t.name] == 0 and not self._aborted:
+                    done.append(t)
+        for t in done:
+            self._deliver(t, self._buffers.pop(t.name))
+
+    def _deliver(self, t: TensorInfo, raw: torch.Tensor) -> None:
+        tensor = raw.view(self._dtypes[t.name]).reshape(t.shape)
+        if self.device != "cpu":
+            tensor = tensor.to(self.device)
+        self.emit(t.name, tensor)
+
+    def commit(self) -> None:
+        with self._lock:
+            missing = [name for name, left in self._left.items() if left]
+        if missing:
+            raise FormatError(f"{self.header.path}: tensors never completed: {missing[:5]}")
+
+    def abort(self) -> None:
+        with self._lock:
+            self._aborted = True
+        self._buffers.clear()
+
+
+_DONE = object()
+
+
+def iter_tensors(
+    paths: Sequence[str | os.PathLike[str]],
+    device: str = "cpu",
+    *,
+    local_dir: str | os.PathLike[str] | None = None,
+    settings: Settings | None = None,
+    stats: dict[str, Any] | None = None,
+    **overrides: Any,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(name, tensor)`` from safetensors ``paths`` as each tensor completes.
+
+    With ``local_dir``, each file is also hydrated there (same name) in the same pass.
+    A file that fails raises :class:`TransferFailed` (a ``HydrateError``) naming it; a
+    tensor is only ever yielded whole. ``stats``, if given, receives the job's report and
+    the time to first tensor.
+    """
+    settings = (settings or from_env()).replace(**overrides)
+    pm = plugin_manager(settings.disable_plugins)
+    ready: queue.SimpleQueue[Any] = queue.SimpleQueue()
+    jobs = []
+    for raw_path in paths:
+        path = str(raw_path)
+        policy = first_result(pm, "loaderplug_io_policy", path=path, mode=settings.direct_io)
+        identity, header = _read_header_retrying(pm, settings, path, policy)
+        sinks: list[Sink] = []
+        if local_dir is not None:
+            dst = Path(local_dir) / Path(path).name
+            sinks.append(FileSink(dst, identity.size, identity.mtime_ns, fsync=settings.fsync))
+        sinks.append(TensorSink(header, device, lambda name, t: ready.put((name, t))))
+        jobs.append(FileJob(Path(path).name, path, identity, sinks, policy))
+    engine = Engine(settings, pm, job="load")
+    outcome: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            outcome["results"] = engine.run(jobs)
+        except BaseException as exc:
+            outcome["error"] = exc
+        finally:
+            ready.put(_DONE)
+
+    started = time.monotonic()
+    worker = threading.Thread(target=run, name="loaderplug-load", daemon=True)
+    worker.start()
+    first_at: float | None = None
+    try:
+        while (item := ready.get()) is not _DONE:
+            if first_at is None:
+                first_at = time.monotonic() - started
+            yield item
+    finally:
+        if worker.is_alive():  # the consumer stopped early, or an error: stop reading
+            engine.cancel()
+        worker.join()
+    if "error" in outcome:
+        raise outcome["error"]
+    report = TransferReport(
+        "load",
+        ",".join(map(str, paths)),
+        str(local_dir or ""),
+        engine.workers,
+        engine.chunk,
+        outcome["results"],
+        engine.bytes_copied,
+        time.monotonic() - started,
+        engine.retries,
+    )
+    if stats is not None:
+        stats.update(report=report, first_tensor_s=first_at)
+    if not report.ok:
+        raise TransferFailed(report)
+
+
+def load_file(path: str | os.PathLike[str], device: str = "cpu") -> dict[str, torch.Tensor]:
+    """A drop-in for ``safetensors.torch.load_file``: every tensor, owned, on ``device``."""
+    return dict(iter_tensors([path], device))

@@ -1,0 +1,163 @@
+"""The streaming reader: tensors equal to safetensors', streamed, owned, and one-pass."""
+
+from __future__ import annotations
+
+import errno
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from loaderplug import FormatError, TransferFailed, hookimpl
+from loaderplug.fs import IOPolicy
+from loaderplug.plugins import plugin_manager
+from loaderplug.source import PosixSource
+from tests.conftest import FAST
+
+torch = pytest.importorskip("torch")
+safetensors_torch = pytest.importorskip("safetensors.torch")
+from loaderplug.reader import iter_tensors, load_file  # noqa: E402
+
+
+def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    return a.contiguous().view(torch.uint8).equal(b.contiguous().view(torch.uint8))
+
+
+def every_dtype_model(path: Path) -> dict[str, torch.Tensor]:
+    tensors = {}
+    for i, dtype in enumerate(safetensors_torch._TYPES.values()):
+        raw = torch.randint(0, 256, (37 * (i + 1),), dtype=torch.uint8)
+        size = (
+            dtype.itemsize
+            if hasattr(dtype, "itemsize")
+            else torch.tensor([], dtype=dtype).element_size()
+        )
+        tensors[f"t.{dtype}"] = raw[: raw.numel() // size * size].view(dtype)
+    tensors["empty"] = torch.empty(0, 4)
+    safetensors_torch.save_file(tensors, str(path))
+    return tensors
+
+
+def test_load_file_equals_safetensors_for_every_dtype(tmp_path: Path) -> None:
+    path = tmp_path / "all.safetensors"
+    every_dtype_model(path)
+    expected = safetensors_torch.load_file(str(path))
+    got = load_file(path)
+    assert sorted(got) == sorted(expected)
+    for name, tensor in expected.items():
+        assert same(got[name], tensor), name
+
+
+@pytest.fixture
+def shards(tmp_path: Path) -> list[Path]:
+    paths = []
+    for shard in range(3):
+        tensors = {f"s{shard}.w{i}": torch.randn(97, 53 + i) for i in range(6)} | {
+            f"s{shard}.zero": torch.empty(0, 9, dtype=torch.float16)
+        }
+        path = tmp_path / f"model-{shard}.safetensors"
+        safetensors_torch.save_file(tensors, str(path))
+        paths.append(path)
+    return paths
+
+
+def reference(paths: list[Path]) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for p in paths:
+        out |= safetensors_torch.load_file(str(p))
+    return out
+
+
+def test_tensors_crossing_range_boundaries_are_assembled(shards: list[Path]) -> None:
+    # 4 KiB ranges: every weight spans several ranges, most ranges hold parts of two.
+    got = dict(iter_tensors(shards, chunk_bytes="4K", split_threshold_bytes=0, progress=False))
+    expected = reference(shards)
+    assert sorted(got) == sorted(expected)
+    assert all(same(got[k], v) for k, v in expected.items())
+
+
+def test_yielded_tensors_own_their_memory(shards: list[Path]) -> None:
+    got = list(iter_tensors(shards, chunk_bytes="4K", split_threshold_bytes=0, progress=False))
+    for name, tensor in got:
+        assert tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size(), name
+    expected = reference(shards)  # later ranges did not overwrite earlier tensors
+    assert all(same(t, expected[n]) for n, t in got)
+
+
+class SlowSource(PosixSource):
+    def pread_into(self, buf: memoryview, offset: int) -> int:
+        time.sleep(0.01)
+        return super().pread_into(buf, offset)
+
+
+def test_first_tensor_arrives_before_the_last_range_lands(shards: list[Path]) -> None:
+    events: list[str] = []
+    lock = threading.Lock()
+
+    class Observe:
+        @hookimpl
+        def loaderplug_open_source(self, path: str, policy: IOPolicy) -> SlowSource:
+            return SlowSource(path, policy)
+
+        @hookimpl
+        def loaderplug_on_range_done(
+            self, job: str, path: str, offset: int, length: int, retries: int
+        ) -> None:
+            with lock:
+                events.append("range")
+
+    plugin = Observe()
+    plugin_manager().register(plugin)
+    try:
+        for _name, _tensor in iter_tensors(
+            shards, chunk_bytes="4K", split_threshold_bytes=0, hydrate_workers=2, progress=False
+        ):
+            with lock:
+                events.append("tensor")
+    finally:
+        plugin_manager().unregister(plugin)
+    first_tensor = events.index("tensor")
+    last_range = len(events) - 1 - events[::-1].index("range")
+    assert first_tensor < last_range, "tensors were held back until every range had landed"
+    assert events.count("range") > 20
+
+
+def test_one_pass_hydrates_and_loads_with_retried_faults(
+    shards: list[Path], tmp_path: Path, inject
+) -> None:
+    inject(errno.EIO, match="model-1", times=3, at_offset=8192)  # past the header
+    stats: dict[str, object] = {}
+    got = dict(iter_tensors(shards, local_dir=tmp_path / "local", stats=stats, **FAST))
+    expected = reference(shards)
+    assert all(same(got[k], v) for k, v in expected.items())
+    for p in shards:
+        assert (tmp_path / "local" / p.name).read_bytes() == p.read_bytes()
+    assert stats["report"].retries == 3  # type: ignore[attr-defined]
+
+
+def test_one_pass_failure_names_the_file_and_never_yields_a_partial_tensor(
+    shards: list[Path], tmp_path: Path, inject
+) -> None:
+    inject(errno.EACCES, match="model-2", at_offset=8192)
+    expected = reference(shards)
+    seen: dict[str, torch.Tensor] = {}
+    with pytest.raises(TransferFailed) as info:
+        for name, tensor in iter_tensors(
+            shards,
+            local_dir=tmp_path / "local",
+            **{**FAST, "chunk_bytes": "4K", "split_threshold_bytes": 0},
+        ):
+            seen[name] = tensor
+    assert "model-2.safetensors" in str(info.value)
+    assert all(same(t, expected[n]) for n, t in seen.items())
+    assert not (tmp_path / "local" / "model-2.safetensors").exists()
+
+
+def test_a_corrupt_header_is_a_format_error(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes((10**12).to_bytes(8, "little") + b"{}")
+    with pytest.raises(FormatError, match="exceeds the 100000000-byte limit"):
+        load_file(bad)
