@@ -8,6 +8,7 @@ uncached synchronous round trip, so a network filesystem must be recognised by n
 from __future__ import annotations
 
 import os
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -171,19 +172,59 @@ def is_network_type(fs_type: str) -> bool:
     return is_buffered_type(fs_type) and fs_type not in MEMORY_TYPES
 
 
-def direct_io_alignment(path: str | os.PathLike[str]) -> int:
-    """O_DIRECT alignment: the logical block size of the device, else 4096.
+_STATX_DIOALIGN = 0x2000
+_AT_FDCWD = -100
+_STATX_SIZE = 256
 
-    statx's STATX_DIOALIGN is not reachable from the standard library; the block size
-    reported by statvfs is the filesystem block, a safe (possibly larger) multiple.
+
+def _statx_dio(path: str) -> tuple[int, int, int] | None:
+    """(dio_mem_align, dio_offset_align, dev) from statx(STATX_DIOALIGN), or None.
+
+    The standard library has no statx, so glibc's is called through ctypes. Offsets are
+    those of ``struct statx`` in <linux/stat.h>: stx_mask at 0, stx_dev_major/minor at
+    136/140, stx_dio_mem_align/offset_align at 152/156.
     """
     try:
-        block = os.statvfs(_nearest_existing(os.fspath(path))).f_bsize
+        import ctypes
+        import ctypes.util
+
+        libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+        statx = libc.statx
+    except (OSError, AttributeError):
+        return None
+    buf = ctypes.create_string_buffer(_STATX_SIZE)
+    if statx(_AT_FDCWD, os.fsencode(path), 0, _STATX_DIOALIGN, buf) != 0:
+        return None
+    (mask,) = struct.unpack_from("<I", buf.raw, 0)
+    major, minor, mem, offset = struct.unpack_from("<IIxxxxxxxxII", buf.raw, 136)
+    if not mask & _STATX_DIOALIGN:
+        return (0, 0, os.makedev(major, minor))
+    return (mem, offset, os.makedev(major, minor))
+
+
+def _logical_block_size(dev: int) -> int | None:
+    base = f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}"
+    for queue in (f"{base}/queue", f"{base}/../queue"):  # a partition has its disk's queue
+        try:
+            with open(f"{queue}/logical_block_size") as f:
+                return int(f.read().strip())
+        except (OSError, ValueError):
+            continue
+    return None
+
+
+def direct_io_alignment(path: str | os.PathLike[str]) -> int:
+    """O_DIRECT alignment: statx's STATX_DIOALIGN where the kernel and filesystem report
+    it, else the device's logical block size, else 4096."""
+    existing = _nearest_existing(os.fspath(path))
+    dio = _statx_dio(existing)
+    if dio is not None and dio[0] and dio[1]:
+        return max(dio[0], dio[1])
+    try:
+        dev = dio[2] if dio is not None else os.stat(existing).st_dev
     except OSError:
         return DEFAULT_ALIGNMENT
-    if block <= 0 or block & (block - 1):
-        return DEFAULT_ALIGNMENT
-    return max(512, min(block, 1 << 16))
+    return _logical_block_size(dev) or DEFAULT_ALIGNMENT
 
 
 def decide(path: str | os.PathLike[str], mode: str = "auto") -> IOPolicy:
