@@ -10,7 +10,9 @@ import json
 import signal
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from types import FrameType
+from typing import Any
 
 from loaderplug.errors import LoaderplugError, SettingsError
 from loaderplug.report import TransferReport
@@ -46,6 +48,20 @@ def build_parser() -> argparse.ArgumentParser:
         "local folder to copy from",
         "mirror folder to copy into",
     )
+    doctor = commands.add_parser(
+        "doctor", help="how each path would be read, and the settings in effect"
+    )
+    doctor.add_argument("paths", nargs="+", metavar="PATH")
+    load = commands.add_parser(
+        "load", help="read safetensors files (and hydrate them in the same pass with --to)"
+    )
+    load.add_argument(
+        "paths", nargs="*", metavar="PATH", help="files; default: *.safetensors in --from"
+    )
+    load.add_argument("--device", default="cpu")
+    load.add_argument("--from", dest="src", metavar="MIRROR", help="folder the files are in")
+    load.add_argument("--to", dest="dst", metavar="DST", help="also hydrate the files here")
+    load.add_argument("--json", action="store_true", help="print the figures as JSON")
     demo = commands.add_parser(
         "demo", help="hydrate a synthetic model from a throttled test volume"
     )
@@ -82,6 +98,41 @@ def _print_report(report: TransferReport, as_json: bool) -> int:
     return 0 if report.ok else EXIT_FAILED
 
 
+def _load(args: argparse.Namespace) -> int:
+    from loaderplug.reader import iter_tensors
+
+    paths = [Path(p) for p in args.paths]
+    if args.src:
+        paths = [Path(args.src) / p for p in paths] or sorted(Path(args.src).glob("*.safetensors"))
+    if not paths:
+        raise SettingsError("nothing to load: name safetensors files, or a folder with --from")
+    stats: dict[str, Any] = {}
+    count = nbytes = 0
+    for _name, tensor in iter_tensors(paths, args.device, local_dir=args.dst, stats=stats):
+        count += 1
+        nbytes += tensor.numel() * tensor.element_size()
+    report = stats["report"]
+    figures = {
+        "tensors": count,
+        "tensor_bytes": nbytes,
+        "seconds": round(report.seconds, 3),
+        "mib_per_s": round(report.mib_per_s, 1),
+        "first_tensor_s": round(stats["first_tensor_s"] or 0.0, 3),
+        "io": {str(p): stats["io"][str(p)] for p in paths},
+        "hydrated_to": args.dst,
+    }
+    if args.json:
+        print(json.dumps(figures, indent=2))
+    else:
+        print(
+            f"loaded {count} tensors ({nbytes / (1 << 20):.1f} MiB) in {report.seconds:.2f} s "
+            f"({report.mib_per_s:.1f} MiB/s); first tensor after {figures['first_tensor_s']} s"
+        )
+        for path, mode in figures["io"].items():
+            print(f"  {path}: {mode}")
+    return 0
+
+
 def _interrupt_on_sigterm() -> None:
     # A terminated hydrate cleans up like an interrupted one: temp files removed.
     def handler(signum: int, frame: FrameType | None) -> None:
@@ -94,6 +145,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     _interrupt_on_sigterm()
     try:
+        if args.command == "doctor":
+            from loaderplug.doctor import doctor
+
+            print(doctor(args.paths))
+            return 0
+        if args.command == "load":
+            return _load(args)
         if args.command == "demo":
             from loaderplug.demo import run_demo
 

@@ -234,8 +234,12 @@ def decide(path: str | os.PathLike[str], mode: str = "auto") -> IOPolicy:
         return IOPolicy.buffered(fs_type, "LOADERPLUG_DIRECT_IO=off")
     if mode == "on":
         return IOPolicy(True, direct_io_alignment(path), fs_type, "LOADERPLUG_DIRECT_IO=on")
+    if fs_type in MEMORY_TYPES:
+        return IOPolicy.buffered(fs_type, f"{fs_type} lives in memory: O_DIRECT gains nothing")
     if is_buffered_type(fs_type):
-        return IOPolicy.buffered(fs_type, f"{fs_type} is a network or memory filesystem")
+        return IOPolicy.buffered(
+            fs_type, f"{fs_type} is a network or userspace filesystem: reads stay buffered"
+        )
     return IOPolicy(
         True, direct_io_alignment(path), fs_type, f"{fs_type} is a local block filesystem"
     )

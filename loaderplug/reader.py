@@ -198,10 +198,12 @@ def iter_tensors(
     pm = plugin_manager(settings.disable_plugins)
     ready: queue.SimpleQueue[Any] = queue.SimpleQueue()
     jobs = []
+    io_modes: dict[str, str] = {}
     for raw_path in paths:
         path = str(raw_path)
         policy = first_result(pm, "loaderplug_io_policy", path=path, mode=settings.direct_io)
         identity, header = _read_header_retrying(pm, settings, path, policy)
+        io_modes[path] = f"{'direct' if policy.direct else 'buffered'} ({policy.reason})"
         sinks: list[Sink] = []
         if local_dir is not None:
             dst = Path(local_dir) / Path(path).name
@@ -246,7 +248,7 @@ def iter_tensors(
         engine.retries,
     )
     if stats is not None:
-        stats.update(report=report, first_tensor_s=first_at)
+        stats.update(report=report, first_tensor_s=first_at, io=io_modes)
     if not report.ok:
         raise TransferFailed(report)
 

@@ -12,6 +12,8 @@ import sys
 import termios
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import tree_bytes
 
 REPO = Path(__file__).resolve().parent.parent
@@ -137,3 +139,34 @@ def test_bad_flag_is_named_as_a_flag(model: Path, tmp_path: Path) -> None:
     done = run("hydrate", "--from", str(model), "--to", str(tmp_path / "l"), "--workers", "0")
     assert done.returncode == 2
     assert "--workers='0' is invalid: expected an integer from 1 to 512" in done.stderr
+
+
+def test_doctor_shows_each_decision_and_where_settings_came_from(tmp_path: Path) -> None:
+    done = run("doctor", str(tmp_path), "/dev/shm", env={"LOADERPLUG_HYDRATE_WORKERS": "4"})
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[1].startswith("/dev/shm: tmpfs") and "buffered" in lines[1]
+    assert "LOADERPLUG_HYDRATE_WORKERS=4  (environment)" in done.stdout
+    assert "LOADERPLUG_BYTES_IN_FLIGHT=512 MiB  (default)" in done.stdout
+
+
+def test_load_hydrates_and_loads_in_one_pass(model: Path, tmp_path: Path) -> None:
+    pytest.importorskip("torch")
+    done = run("load", "--from", str(model), "--to", str(tmp_path / "l"), "--json")
+    assert done.returncode == 0, done.stderr
+    figures = json.loads(done.stdout)
+    assert figures["tensors"] == 16  # 4 shards x 4 tensors
+    assert figures["first_tensor_s"] <= figures["seconds"]
+    assert all("direct" in mode or "buffered" in mode for mode in figures["io"].values())
+    shards = sorted(model.glob("*.safetensors"))
+    assert [p.name for p in sorted((tmp_path / "l").iterdir())] == [p.name for p in shards]
+    assert all((tmp_path / "l" / p.name).read_bytes() == p.read_bytes() for p in shards)
+
+
+def test_load_of_a_corrupt_file_exits_2_with_the_format_error(tmp_path: Path) -> None:
+    pytest.importorskip("torch")
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(b"\x05\x00\x00\x00\x00\x00\x00\x00[1,2]")
+    done = run("load", str(bad))
+    assert done.returncode == 2
+    assert "header is list, expected a JSON object" in done.stderr

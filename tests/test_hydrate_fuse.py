@@ -157,3 +157,22 @@ def test_sync_to_a_fuse_mirror_then_hydrate(backing: Path, tmp_path: Path) -> No
         hydrate(vol.mountpoint / "m", tmp_path / "local", **FAST)
     assert tree_bytes(tmp_path / "local") == tree_bytes(backing)
     shutil.rmtree(tmp_path / "local")
+
+
+@pytest.mark.parametrize("refusal", ["open", "read"])
+def test_direct_io_refused_by_the_kernel_falls_back_to_buffered(
+    backing: Path, tmp_path: Path, refusal: str
+) -> None:
+    (tmp_path / "mnt").mkdir()
+    with mounted(backing, tmp_path / "mnt", VolumeProfile(refuse_direct_io=refusal)) as vol:
+        # Forced on, so the reader tries O_DIRECT on this FUSE mount and is refused.
+        report = hydrate(vol.mountpoint, tmp_path / "local", **{**FAST, "direct_io": "on"})
+    assert report.ok and report.retries == 0
+    assert tree_bytes(tmp_path / "local") == tree_bytes(backing)
+
+
+def test_doctor_calls_the_test_volume_a_network_filesystem(volume: TestVolume) -> None:
+    from loaderplug.doctor import doctor
+
+    line = doctor([str(volume.mountpoint)], environ={}).splitlines()[0]
+    assert "fuse.loaderplug-testvol" in line and "buffered" in line

@@ -143,6 +143,9 @@ class VolumeProfile:
     faults: tuple[Fault, ...] = ()
     replace: tuple[Replace, ...] = ()
     seed: int = 0
+    # Act like a kernel that refuses direct IO: "open" fails an O_DIRECT open with
+    # EINVAL, "read" accepts the open and fails every read of that handle with EINVAL.
+    refuse_direct_io: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("per_stream_bytes_per_s", "mount_bytes_per_s"):
@@ -253,6 +256,7 @@ class _VolumeOps:
         self._on_init = on_init
         self._lock = threading.Lock()
         self._handles: dict[int, _Handle] = {}
+        self._refused_handles: set[int] = set()  # opened with O_DIRECT under "read" refusal
         self._ids = itertools.count(1)
         self._rng = random.Random(profile.seed)
         self._fault_fired = [0] * len(profile.faults)
@@ -529,9 +533,17 @@ class _VolumeOps:
     # -- file I/O ---------------------------------------------------------
 
     def open(self, path: str, flags: int) -> int:
+        direct = bool(flags & getattr(os, "O_DIRECT", 0))
+        refusal = self._profile.refuse_direct_io
+        if direct and refusal == "open":
+            raise OSError(errno_mod.EINVAL, os.strerror(errno_mod.EINVAL))
         flags = _backing_flags(flags)
         fd = os.open(self._full(path), flags)
-        return self._new_handle(fd, path, flags)
+        fh = self._new_handle(fd, path, flags)
+        if direct and refusal == "read":
+            with self._lock:
+                self._refused_handles.add(fh)
+        return fh
 
     def create(self, path: str, mode: int, flags: int) -> int:
         flags = _backing_flags(flags)
@@ -541,6 +553,8 @@ class _VolumeOps:
     def read(self, path: str | None, size: int, offset: int, fh: int) -> bytes:
         h = self._handle(fh)
         latency = self._profile.latency_s
+        if fh in self._refused_handles:
+            raise OSError(errno_mod.EINVAL, os.strerror(errno_mod.EINVAL))
         with self._lock:
             self._inflight += 1
             c = self._counters
@@ -598,6 +612,7 @@ class _VolumeOps:
     def release(self, path: str | None, fh: int) -> int:
         with self._lock:
             h = self._handles.pop(fh, None)
+            self._refused_handles.discard(fh)
         if h is not None:
             for fd in (h.fd, *h.stale_fds):
                 os.close(fd)

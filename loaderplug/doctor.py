@@ -1,0 +1,28 @@
+"""``loaderplug doctor``: how each path would be read, and where each setting came from."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+from loaderplug.fs import find_mount
+from loaderplug.plugins import first_result, plugin_manager
+from loaderplug.settings import REGISTRY, format_size, from_env
+
+
+def doctor(paths: Sequence[str], environ: dict[str, str] | None = None) -> str:
+    settings = from_env(environ if environ is not None else os.environ)
+    pm = plugin_manager(settings.disable_plugins)
+    lines = []
+    for path in paths:
+        policy = first_result(pm, "loaderplug_io_policy", path=path, mode=settings.direct_io)
+        mount = find_mount(path)
+        where = f" on {mount.mount_point} ({mount.source})" if mount else ""
+        mode = f"direct, {policy.alignment}-byte aligned" if policy.direct else "buffered"
+        lines.append(f"{path}: {policy.fs_type}{where}: {mode}: {policy.reason}")
+    lines.append("settings:")
+    for var in REGISTRY:
+        value = getattr(settings, var.field)
+        shown = format_size(value) if var.kind == "size" and value is not None else value
+        lines.append(f"  {var.name}={shown}  ({settings.sources.get(var.field, 'default')})")
+    return "\n".join(lines)
