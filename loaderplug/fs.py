@@ -58,6 +58,8 @@ _MAGIC_TO_TYPE = {
 MEMORY_TYPES = frozenset({"tmpfs", "ramfs"})
 
 DEFAULT_ALIGNMENT = 4096
+# A file at least this much in the page cache is read buffered, from memory.
+WARM_FRACTION = 0.5
 
 
 @dataclass(frozen=True)
@@ -240,6 +242,14 @@ def decide(path: str | os.PathLike[str], mode: str = "auto") -> IOPolicy:
         return IOPolicy.buffered(
             fs_type, f"{fs_type} is a network or userspace filesystem: reads stay buffered"
         )
+    if os.path.isfile(path):
+        from loaderplug.pagecache import cached_fraction
+
+        cached = cached_fraction(os.fspath(path))
+        if cached is not None and cached >= WARM_FRACTION:
+            # Served from memory, buffered reads beat any disk read; O_DIRECT would
+            # ignore the cached copy and read it from the device again.
+            return IOPolicy.buffered(fs_type, f"{cached:.0%} of it is in the page cache")
     return IOPolicy(
         True, direct_io_alignment(path), fs_type, f"{fs_type} is a local block filesystem"
     )

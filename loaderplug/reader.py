@@ -148,8 +148,11 @@ class TensorSink:
             lo, hi = max(offset, t.begin), min(end, t.end)
             if lo >= hi:
                 continue
+            buffer = self._buffers.get(t.name)
+            if buffer is None:  # aborted while this range was in flight
+                return
             chunk = torch.frombuffer(data[lo - offset : hi - offset], dtype=torch.uint8)
-            self._buffers[t.name][lo - t.begin : hi - t.begin].copy_(chunk)
+            buffer[lo - t.begin : hi - t.begin].copy_(chunk)
             with self._lock:
                 self._left[t.name] -= hi - lo
                 if self._left[t.name] == 0 and not self._aborted:

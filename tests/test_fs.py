@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -86,3 +87,22 @@ def test_local_alignment_comes_from_the_kernel(tmp_path: Path) -> None:
     policy = io_policy(str(tmp_path / "f"))
     if policy.direct:
         assert policy.alignment >= 512 and policy.alignment & (policy.alignment - 1) == 0
+
+
+def test_a_warm_local_file_is_read_from_the_page_cache_and_a_cold_one_direct(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "weights.bin"
+    path.write_bytes(os.urandom(1 << 20))
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        cold = io_policy(str(path))
+        os.pread(fd, 1 << 20, 0)
+        warm = io_policy(str(path))
+    finally:
+        os.close(fd)
+    if not cold.direct:
+        pytest.skip(f"{cold.fs_type} here is not read direct: {cold.reason}")
+    assert not warm.direct and "in the page cache" in warm.reason
