@@ -13,6 +13,7 @@ every byte is read from the volume once.
 from __future__ import annotations
 
 import bisect
+import mmap
 import os
 import queue
 import threading
@@ -25,7 +26,7 @@ import pluggy
 
 from loaderplug.engine import TRANSIENT_ERRNOS, Engine, FileJob, backoff_s
 from loaderplug.errors import FormatError, HydrateError, LoaderplugError, TransferFailed
-from loaderplug.fs import IOPolicy
+from loaderplug.fs import IOPolicy, is_network_type
 from loaderplug.header import LENGTH_BYTES, Header, TensorInfo, header_length, parse_header
 from loaderplug.plugins import first_result, plugin_manager
 from loaderplug.report import TransferReport
@@ -181,6 +182,28 @@ class TensorSink:
 _DONE = object()
 
 
+def _served_from_memory(policy: IOPolicy) -> bool:
+    """Buffered on a local filesystem means the bytes are in memory already (tmpfs, or a
+    file mostly in the page cache): mapping them beats copying them."""
+    return not policy.direct and not is_network_type(policy.fs_type)
+
+
+def _mapped_tensors(header: Header) -> Iterator[tuple[str, torch.Tensor]]:
+    """Tensors over a private (copy-on-write) mapping of the file, as safetensors does:
+    they share the page cache's pages until written to, and own their mapping."""
+    torch = _torch()
+    with open(header.path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        mapping = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY) if size else None
+    for t in header.tensors:
+        dtype = torch_dtype(header.path, t.name, t.dtype)
+        if not t.nbytes or mapping is None:
+            yield t.name, torch.empty(t.shape, dtype=dtype)
+            continue
+        raw = torch.frombuffer(mapping, dtype=torch.uint8, count=t.nbytes, offset=t.begin)
+        yield t.name, raw.view(dtype).reshape(t.shape)
+
+
 def iter_tensors(
     paths: Sequence[str | os.PathLike[str]],
     device: str = "cpu",
@@ -201,11 +224,16 @@ def iter_tensors(
     pm = plugin_manager(settings.disable_plugins)
     ready: queue.SimpleQueue[Any] = queue.SimpleQueue()
     jobs = []
+    mapped: list[Header] = []
     io_modes: dict[str, str] = {}
     for raw_path in paths:
         path = str(raw_path)
         policy = first_result(pm, "loaderplug_io_policy", path=path, mode=settings.direct_io)
         identity, header = _read_header_retrying(pm, settings, path, policy)
+        if local_dir is None and device == "cpu" and _served_from_memory(policy):
+            io_modes[path] = f"mapped ({policy.reason})"
+            mapped.append(header)
+            continue
         io_modes[path] = f"{'direct' if policy.direct else 'buffered'} ({policy.reason})"
         sinks: list[Sink] = []
         if local_dir is not None:
@@ -229,6 +257,11 @@ def iter_tensors(
     worker.start()
     first_at: float | None = None
     try:
+        for header in mapped:
+            for item in _mapped_tensors(header):
+                if first_at is None:
+                    first_at = time.monotonic() - started
+                yield item
         while (item := ready.get()) is not _DONE:
             if first_at is None:
                 first_at = time.monotonic() - started

@@ -19,6 +19,10 @@ torch = pytest.importorskip("torch")
 safetensors_torch = pytest.importorskip("safetensors.torch")
 from loaderplug.reader import iter_tensors, load_file  # noqa: E402
 
+# Freshly written files sit in the page cache, where the reader would map them; forcing
+# direct reads makes it stream them range by range, in 4 KiB ranges.
+STREAMED = {"chunk_bytes": "4K", "split_threshold_bytes": 0, "direct_io": "on", "progress": False}
+
 
 def same(a: torch.Tensor, b: torch.Tensor) -> bool:
     if a.dtype != b.dtype or a.shape != b.shape:
@@ -73,14 +77,14 @@ def reference(paths: list[Path]) -> dict[str, torch.Tensor]:
 
 def test_tensors_crossing_range_boundaries_are_assembled(shards: list[Path]) -> None:
     # 4 KiB ranges: every weight spans several ranges, most ranges hold parts of two.
-    got = dict(iter_tensors(shards, chunk_bytes="4K", split_threshold_bytes=0, progress=False))
+    got = dict(iter_tensors(shards, **STREAMED))
     expected = reference(shards)
     assert sorted(got) == sorted(expected)
     assert all(same(got[k], v) for k, v in expected.items())
 
 
 def test_yielded_tensors_own_their_memory(shards: list[Path]) -> None:
-    got = list(iter_tensors(shards, chunk_bytes="4K", split_threshold_bytes=0, progress=False))
+    got = list(iter_tensors(shards, **STREAMED))
     for name, tensor in got:
         assert tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size(), name
     expected = reference(shards)  # later ranges did not overwrite earlier tensors
@@ -112,9 +116,7 @@ def test_first_tensor_arrives_before_the_last_range_lands(shards: list[Path]) ->
     plugin = Observe()
     plugin_manager().register(plugin)
     try:
-        for _name, _tensor in iter_tensors(
-            shards, chunk_bytes="4K", split_threshold_bytes=0, hydrate_workers=2, progress=False
-        ):
+        for _name, _tensor in iter_tensors(shards, **{**STREAMED, "hydrate_workers": 2}):
             with lock:
                 events.append("tensor")
     finally:
@@ -161,3 +163,27 @@ def test_a_corrupt_header_is_a_format_error(tmp_path: Path) -> None:
     bad.write_bytes((10**12).to_bytes(8, "little") + b"{}")
     with pytest.raises(FormatError, match="exceeds the 100000000-byte limit"):
         load_file(bad)
+
+
+def test_a_file_in_the_page_cache_is_mapped_not_copied(shards: list[Path]) -> None:
+    for p in shards:
+        p.read_bytes()  # warm
+    stats: dict[str, object] = {}
+    got = dict(iter_tensors(shards, stats=stats, progress=False))
+    assert all(mode.startswith("mapped") for mode in stats["io"].values())  # type: ignore[attr-defined]
+    expected = reference(shards)
+    assert all(same(got[k], v) for k, v in expected.items())
+
+
+def test_load_file_streams_a_cold_file_read_direct(shards: list[Path]) -> None:
+    import os
+
+    fd = os.open(shards[0], os.O_RDONLY)
+    os.fsync(fd)  # dirty pages cannot be dropped
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    os.close(fd)
+    stats: dict[str, object] = {}
+    got = dict(iter_tensors(shards[:1], stats=stats, progress=False))
+    mode = stats["io"][str(shards[0])]  # type: ignore[index]
+    assert not mode.startswith("mapped"), mode
+    assert all(same(got[k], v) for k, v in reference(shards[:1]).items())
