@@ -38,7 +38,7 @@ from loaderplug.plugins import first_result
 from loaderplug.ranges import Span, count_spans, plan
 from loaderplug.report import FileResult
 from loaderplug.settings import Settings
-from loaderplug.sinks import Sink
+from loaderplug.sinks import PlacingSink, Sink
 from loaderplug.source import Identity, Source, aligned_buffer
 
 TRANSIENT_ERRNOS = frozenset({errno_mod.ENOMEM, errno_mod.EIO, errno_mod.EAGAIN})
@@ -192,8 +192,9 @@ class _Write:
     span: Span
     offset: int
     length: int
-    buffer: tuple[mmap.mmap, memoryview] | None  # None for an empty file
+    buffer: tuple[mmap.mmap, memoryview] | None  # a pool buffer to give back, if any
     span_left: list[int]  # [pieces not yet written, retries so far], under Engine._lock
+    placed: memoryview | None = None  # bytes read straight into a sink's own memory
 
 
 class Engine:
@@ -331,8 +332,26 @@ class Engine:
         if not offsets:  # an empty file: nothing to read, one empty write completes it
             self._writes.put(_Write(job, span, 0, 0, None, span_left))
             return
+        placer = next((s for s in job.sinks if isinstance(s, PlacingSink)), None)
         for offset in offsets:
             length = min(self.chunk, end - offset)
+            if placer is not None:
+                # Read straight into the sink's memory: no staging buffer, no copy.
+                size = _padded(job, length) if offset + length >= job.size else length
+                target = placer.place(offset, size)
+                retries = self._retrying(
+                    job,
+                    offset,
+                    length,
+                    "reading",
+                    functools.partial(self._read_piece, job, offset, length, target),
+                )
+                with self._lock:
+                    span_left[1] += retries
+                self._writes.put(
+                    _Write(job, span, offset, length, None, span_left, target[:length])
+                )
+                continue
             buffer = self._pool.take(self._cancel)
             try:
                 retries = self._retrying(
@@ -390,9 +409,7 @@ class Engine:
         )
         try:
             check_identity(job, source.identity())
-            align = max(4096, job.policy.alignment)
-            padded = -(-length // align) * align
-            got = source.pread_into(view[:padded], offset)
+            got = source.pread_into(view[: _padded(job, length)], offset)
             if got < length:
                 raise HydrateError(
                     f"source is shorter than expected: read ended at byte {offset + got} "
@@ -415,9 +432,10 @@ class Engine:
             try:
                 if self._cancel.is_set() or job.failed:
                     continue
-                if write.buffer is not None:
+                data = write.placed
+                if data is None and write.buffer is not None:
                     data = write.buffer[1][: write.length]
-
+                if data is not None:
                     land = functools.partial(_write_all, job.sinks, data, write.offset)
                     try:
                         retries = self._retrying(job, write.offset, write.length, "writing", land)
@@ -470,6 +488,12 @@ class Engine:
         else:
             job.mark_restored()
         self._notify("loaderplug_on_file_done", job=self.job, result=job.result)
+
+
+def _padded(job: FileJob, length: int) -> int:
+    """``length`` rounded up to the O_DIRECT alignment of the job's source."""
+    align = max(4096, job.policy.alignment)
+    return -(-length // align) * align
 
 
 def _write_all(sinks: Sequence[Sink], data: memoryview, offset: int) -> None:

@@ -64,6 +64,7 @@ class TensorInfo:
 @dataclass(frozen=True)
 class Header:
     path: str
+    size: int  # the file's size in bytes
     data_start: int  # absolute offset of the data region
     tensors: tuple[TensorInfo, ...]  # sorted by begin
     metadata: Mapping[str, str]
@@ -112,7 +113,7 @@ def parse_header(path: str, raw: bytes, file_size: int) -> Header:
                 f"tensors may not share bytes"
             )
         previous = tensor
-    return Header(path, data_start, tuple(tensors), metadata)
+    return Header(path, file_size, data_start, tuple(tensors), metadata)
 
 
 def _metadata(path: str, value: object) -> dict[str, str]:

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import pluggy
 
-from loaderplug.engine import TRANSIENT_ERRNOS, Engine, FileJob, backoff_s
+from loaderplug.engine import READ_PADDING, TRANSIENT_ERRNOS, Engine, FileJob, backoff_s
 from loaderplug.errors import FormatError, HydrateError, LoaderplugError, TransferFailed
 from loaderplug.fs import IOPolicy, is_network_type
 from loaderplug.header import LENGTH_BYTES, Header, TensorInfo, header_length, parse_header
@@ -111,7 +111,13 @@ def _read_header_retrying(
 
 
 class TensorSink:
-    """Scatters landed ranges into per-tensor buffers; emits each tensor once complete."""
+    """Assembles a file's tensors in memory of their own; emits each one once complete.
+
+    The file's bytes land in one page-aligned anonymous mapping per file, at their file
+    offsets: the engine reads ranges straight into it (:meth:`place`) or, when it staged
+    them elsewhere, :meth:`write` copies them in. A finished tensor is a view of that
+    mapping, which is never reused, so it keeps its bytes for as long as it lives.
+    """
 
     def __init__(
         self, header: Header, device: str, emit: Callable[[str, torch.Tensor], None]
@@ -122,46 +128,49 @@ class TensorSink:
         self._dtypes = {t.name: torch_dtype(header.path, t.name, t.dtype) for t in header.tensors}
         self._tensors = [t for t in header.tensors if t.nbytes]
         self._starts = [t.begin for t in self._tensors]
-        self._buffers: dict[str, Any] = {}
-        self._left: dict[str, int] = {}
+        self._left = {t.name: t.nbytes for t in self._tensors}
         self._lock = threading.Lock()
         self._aborted = False
+        self._mapping: mmap.mmap | None = None
+        self._view = memoryview(b"")
 
     def prepare(self) -> None:
-        torch = _torch()
-        for t in self._tensors:
-            # One owned allocation per tensor: what is yielded is never a view into a
-            # staging buffer that a later range would overwrite.
-            self._buffers[t.name] = torch.empty(t.nbytes, dtype=torch.uint8)
-            self._left[t.name] = t.nbytes
+        # Room past the end for the last range's read, padded to the O_DIRECT alignment.
+        self._mapping = mmap.mmap(-1, self.header.size + READ_PADDING)
+        self._view = memoryview(self._mapping)
         for t in self.header.tensors:
             if not t.nbytes:
-                self._deliver(t, torch.empty(0, dtype=torch.uint8))
+                self._deliver(t)
+
+    def place(self, offset: int, length: int) -> memoryview:
+        return self._view[offset : offset + length]
 
     def write(self, data: memoryview, offset: int) -> None:
-        torch = _torch()
+        if data.obj is not self._mapping:  # staged elsewhere: copy it in
+            self._view[offset : offset + len(data)] = data
         end = offset + len(data)
         first = max(0, bisect.bisect_right(self._starts, offset) - 1)
         done: list[TensorInfo] = []
-        for t in self._tensors[first:]:
-            if t.begin >= end:
-                break
-            lo, hi = max(offset, t.begin), min(end, t.end)
-            if lo >= hi:
-                continue
-            buffer = self._buffers.get(t.name)
-            if buffer is None:  # aborted while this range was in flight
+        with self._lock:
+            if self._aborted:
                 return
-            chunk = torch.frombuffer(data[lo - offset : hi - offset], dtype=torch.uint8)
-            buffer[lo - t.begin : hi - t.begin].copy_(chunk)
-            with self._lock:
-                self._left[t.name] -= hi - lo
-                if self._left[t.name] == 0 and not self._aborted:
-                    done.append(t)
+            for t in self._tensors[first:]:
+                if t.begin >= end:
+                    break
+                covered = min(end, t.end) - max(offset, t.begin)
+                if covered > 0:
+                    self._left[t.name] -= covered
+                    if self._left[t.name] == 0:
+                        done.append(t)
         for t in done:
-            self._deliver(t, self._buffers.pop(t.name))
+            self._deliver(t)
 
-    def _deliver(self, t: TensorInfo, raw: torch.Tensor) -> None:
+    def _deliver(self, t: TensorInfo) -> None:
+        torch = _torch()
+        if t.nbytes:
+            raw = torch.frombuffer(self._mapping, dtype=torch.uint8, count=t.nbytes, offset=t.begin)
+        else:
+            raw = torch.empty(0, dtype=torch.uint8)
         tensor = raw.view(self._dtypes[t.name]).reshape(t.shape)
         if self.device != "cpu":
             tensor = tensor.to(self.device)
@@ -176,7 +185,6 @@ class TensorSink:
     def abort(self) -> None:
         with self._lock:
             self._aborted = True
-        self._buffers.clear()
 
 
 _DONE = object()

@@ -14,7 +14,7 @@ import logging
 import os
 import secrets
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from loaderplug.errors import HydrateError
 
@@ -34,6 +34,16 @@ class Sink(Protocol):
 
     def abort(self) -> None:
         """Drop everything written. Idempotent; safe before ``prepare``."""
+
+
+@runtime_checkable
+class PlacingSink(Sink, Protocol):
+    """A sink with memory of its own: the engine reads ranges straight into it."""
+
+    def place(self, offset: int, length: int) -> memoryview:
+        """Writable, page-aligned-at-aligned-offsets memory for ``[offset, offset+length)``;
+        a later ``write`` of that very memory only records that it landed."""
+        ...
 
 
 def temp_name_for(dst: Path) -> Path:
