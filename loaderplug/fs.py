@@ -136,11 +136,11 @@ def find_mount(path: str | os.PathLike[str], mounts: list[Mount] | None = None) 
 def _statfs_type(path: str) -> str | None:
     try:
         import ctypes
-        import ctypes.util
 
-        libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+        from loaderplug.libc import libc
+
         buf = ctypes.create_string_buffer(256)  # struct statfs is 120 bytes on x86_64
-        if libc.statfs(os.fsencode(path), buf) != 0:
+        if libc().statfs(os.fsencode(path), buf) != 0:
             return None
         magic = int.from_bytes(buf.raw[:8], "little") & 0xFFFFFFFF
         return _MAGIC_TO_TYPE.get(magic)
@@ -188,10 +188,10 @@ def _statx_dio(path: str) -> tuple[int, int, int] | None:
     """
     try:
         import ctypes
-        import ctypes.util
 
-        libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
-        statx = libc.statx
+        from loaderplug.libc import libc
+
+        statx = libc().statx
     except (OSError, AttributeError):
         return None
     buf = ctypes.create_string_buffer(_STATX_SIZE)

@@ -9,10 +9,11 @@ which also leaves the cache alone. The policy asks here which case it is in:
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import mmap
 import os
 import platform
+
+from loaderplug.libc import libc
 
 _CACHESTAT_NR = {"x86_64": 451, "aarch64": 451}.get(platform.machine())
 _PROT_READ, _MAP_SHARED = 1, 1
@@ -30,24 +31,20 @@ class _Stat(ctypes.Structure):
     ]
 
 
-def _libc() -> ctypes.CDLL:
-    return ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
-
-
 def _cachestat_pages(fd: int) -> int | None:
     if _CACHESTAT_NR is None:
         return None
     result = _Stat()
     rng = _Range(0, 0)  # len 0: to the end of the file
-    if _libc().syscall(_CACHESTAT_NR, fd, ctypes.byref(rng), ctypes.byref(result), 0) != 0:
+    if libc().syscall(_CACHESTAT_NR, fd, ctypes.byref(rng), ctypes.byref(result), 0) != 0:
         return None  # ENOSYS on older kernels, or a filesystem that cannot say
     return int(result.cache)
 
 
 def _mincore_pages(fd: int, size: int) -> int | None:
-    libc = _libc()
-    libc.mmap.restype = ctypes.c_void_p
-    libc.mmap.argtypes = [
+    lib = libc()
+    lib.mmap.restype = ctypes.c_void_p
+    lib.mmap.argtypes = [
         ctypes.c_void_p,
         ctypes.c_size_t,
         ctypes.c_int,
@@ -55,17 +52,17 @@ def _mincore_pages(fd: int, size: int) -> int | None:
         ctypes.c_int,
         ctypes.c_long,
     ]
-    addr = libc.mmap(None, size, _PROT_READ, _MAP_SHARED, fd, 0)
+    addr = lib.mmap(None, size, _PROT_READ, _MAP_SHARED, fd, 0)
     if addr in (None, _MAP_FAILED):
         return None
     try:
         pages = -(-size // mmap.PAGESIZE)
         vec = (ctypes.c_ubyte * pages)()
-        if libc.mincore(ctypes.c_void_p(addr), ctypes.c_size_t(size), vec) != 0:
+        if lib.mincore(ctypes.c_void_p(addr), ctypes.c_size_t(size), vec) != 0:
             return None
         return sum(b & 1 for b in vec)
     finally:
-        libc.munmap(ctypes.c_void_p(addr), ctypes.c_size_t(size))
+        lib.munmap(ctypes.c_void_p(addr), ctypes.c_size_t(size))
 
 
 def cached_fraction(path: str) -> float | None:
