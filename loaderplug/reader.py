@@ -31,8 +31,9 @@ from loaderplug.header import LENGTH_BYTES, Header, TensorInfo, header_length, p
 from loaderplug.plugins import first_result, plugin_manager
 from loaderplug.report import TransferReport
 from loaderplug.settings import Settings, from_env
-from loaderplug.sinks import FileSink, Sink
+from loaderplug.sinks import Sink
 from loaderplug.source import Identity, Source
+from loaderplug.volume import file_sink
 
 if TYPE_CHECKING:
     import torch
@@ -246,7 +247,10 @@ def iter_tensors(
         sinks: list[Sink] = []
         if local_dir is not None:
             dst = Path(local_dir) / Path(path).name
-            sinks.append(FileSink(dst, identity.size, identity.mtime_ns, fsync=settings.fsync))
+            target = first_result(
+                pm, "loaderplug_io_policy", path=str(dst), mode=settings.direct_io
+            )
+            sinks.append(file_sink(dst, identity, settings, target))
         sinks.append(TensorSink(header, device, lambda name, t: ready.put((name, t))))
         jobs.append(FileJob(Path(path).name, path, identity, sinks, policy))
     engine = Engine(settings, pm, job="load")

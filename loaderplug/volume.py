@@ -167,6 +167,21 @@ def _progress(settings: Settings, total: int, desc: str) -> tuple[Callable[[int]
     return update, bar
 
 
+def file_sink(dst: Path, identity: Identity, settings: Settings, target: IOPolicy) -> FileSink:
+    """The sink that publishes ``dst``, writing the way its filesystem wants."""
+    return FileSink(
+        dst,
+        identity.size,
+        identity.mtime_ns,
+        fsync=settings.fsync,
+        # Direct writes in whole pages only: a buffered tail must never share a page
+        # with another range's direct write.
+        direct_alignment=max(target.alignment, mmap.PAGESIZE) if target.direct else 0,
+        # On a network filesystem glibc would emulate fallocate with a write per block.
+        preallocate=not is_network_type(target.fs_type),
+    )
+
+
 def _file_jobs(
     listing: _Listing,
     src: Path,
@@ -181,18 +196,7 @@ def _file_jobs(
         if _is_current(dst / rel, identity):
             skipped.append(FileResult(rel, "skipped", identity.size))
             continue
-        target = policy_for(dst / rel)
-        sink = FileSink(
-            dst / rel,
-            identity.size,
-            identity.mtime_ns,
-            fsync=settings.fsync,
-            # Direct writes in whole pages only: a buffered tail must never share a page
-            # with another range's direct write.
-            direct_alignment=max(target.alignment, mmap.PAGESIZE) if target.direct else 0,
-            # On a network filesystem glibc would emulate fallocate with a write per block.
-            preallocate=not is_network_type(target.fs_type),
-        )
+        sink = file_sink(dst / rel, identity, settings, policy_for(dst / rel))
         jobs.append(FileJob(rel, str(src / rel), identity, [sink], policy_for(src / rel)))
     return jobs, skipped
 

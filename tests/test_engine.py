@@ -48,7 +48,9 @@ def test_non_transient_error_fails_that_file_only(model: Path, tmp_path: Path, i
     report = hydrate(model, tmp_path / "local", check=False, **FAST)
     assert [r.path for r in report.failed] == ["model-00002-of-00004.safetensors"]
     failure = report.failed[0]
-    assert failure.errno == errno.EACCES and failure.range == (64 << 10, 64 << 10)
+    # Which range past the first fails depends on which worker gets there first.
+    assert failure.errno == errno.EACCES and failure.range is not None
+    assert failure.range[0] >= 64 << 10 and failure.range[1] == 64 << 10
     assert "Permission denied" in failure.reason
     assert plugin.injected == 1  # not retried
     local = tree_bytes(tmp_path / "local")

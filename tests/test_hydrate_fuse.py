@@ -50,13 +50,23 @@ def test_a_fuse_mirror_is_read_buffered(volume: TestVolume) -> None:
 
 @pytest.mark.parametrize(
     "volume",
-    [VolumeProfile(faults=(Fault(errno.ENOMEM, max_inflight=2),))],
+    # Throttled streams keep reads in flight at once, as under real load.
+    [VolumeProfile(per_stream_bytes_per_s=16 * MiB, faults=(Fault(errno.ENOMEM, max_inflight=3),))],
     indirect=True,
 )
 def test_enomem_storm_under_load_is_retried_and_bytes_are_identical(
     volume: TestVolume, backing: Path, tmp_path: Path
 ) -> None:
-    report = hydrate(volume.mountpoint, tmp_path / "local", **{**FAST, "hydrate_workers": 8})
+    # Six workers against a volume that refuses more than three reads at once: jittered
+    # backoff spreads the retries out until every range gets through.
+    settings = {
+        **FAST,
+        "hydrate_workers": 6,
+        "retry_base_ms": 20,
+        "retry_max_ms": 300,
+        "retry_attempts": 12,
+    }
+    report = hydrate(volume.mountpoint, tmp_path / "local", **settings)
     assert volume.stats()["faults_injected"] > 0
     assert report.retries > 0 and report.ok
     assert tree_bytes(tmp_path / "local") == tree_bytes(backing)
