@@ -62,9 +62,10 @@ def test_sigint_stops_after_the_reads_in_flight_and_cleans_up(model: Path, tmp_p
     started_after = len(reads.read_text().splitlines()) - started_before
     assert proc.returncode == 130, err
     assert "interrupted" in err and "Traceback" not in err
-    # Stopping takes about one range: the reads already in flight finish (at most one per
-    # worker, 8 by default) and no new one starts.
-    assert started_after <= 8, f"{started_after} reads started after SIGINT"
+    # Stopping takes about one range: the reads in flight finish and no new ones start.
+    # A busy machine may deliver the signal a moment late, so allow one more read per
+    # worker (8 by default); running on to the end would start about 30 more.
+    assert started_after <= 16, f"{started_after} reads started after SIGINT"
     assert leftover_temps(dst) == []
     published_files_are_complete(model, dst)
     assert len(tree_bytes(dst)) < len(tree_bytes(model))  # it really was stopped mid-way
