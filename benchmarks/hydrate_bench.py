@@ -30,11 +30,12 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from common import run_parallel, run_timed
+
+from loaderplug.settings import format_size
 from loaderplug.testing.model import write_model
 from loaderplug.testing.volume import VolumeProfile, fuse_unavailable_reason, mounted
 
@@ -53,18 +54,9 @@ class Measured:
 
 
 def run_measured(cmd: list[str], env: dict[str, str] | None = None) -> tuple[float, int]:
-    """Wall seconds and peak RSS (bytes) of one child process; fails loudly on error.
-
-    GNU time reports the RSS: a child forked from this Python process would otherwise
-    inherit the benchmark's own high-water mark until it execs.
-    """
-    timed = ["/usr/bin/time", "-f", "%M", *cmd]
-    started = time.perf_counter()
-    done = subprocess.run(timed, capture_output=True, text=True, env={**os.environ, **(env or {})})
-    elapsed = time.perf_counter() - started
-    if done.returncode != 0:
-        raise SystemExit(f"{cmd[:4]} failed:\n{done.stdout}\n{done.stderr}")
-    return elapsed, int(done.stderr.strip().splitlines()[-1]) * 1024
+    """Wall seconds and peak RSS (bytes) of one child process."""
+    seconds, rss, _out = run_timed(cmd, env)
+    return seconds, rss
 
 
 def probe(folder: str, workers: int = 16, chunk: int = 8 * MiB) -> None:
@@ -73,30 +65,21 @@ def probe(folder: str, workers: int = 16, chunk: int = 8 * MiB) -> None:
     spans = []
     for offset in range(0, max(p.stat().st_size for p in files), chunk):
         spans.extend((p, offset) for p in files if offset < p.stat().st_size)
-    lock = threading.Lock()
 
-    def worker() -> None:
-        while True:
-            with lock:
-                if not spans:
-                    return
-                path, offset = spans.pop(0)
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                done = 0
-                while done < chunk:
-                    n = len(os.pread(fd, chunk - done, offset + done))
-                    if n == 0:
-                        break
-                    done += n
-            finally:
-                os.close(fd)
+    def read(span: tuple[Path, int]) -> None:
+        path, offset = span
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            done = 0
+            while done < chunk:
+                n = len(os.pread(fd, chunk - done, offset + done))
+                if n == 0:
+                    break
+                done += n
+        finally:
+            os.close(fd)
 
-    threads = [threading.Thread(target=worker) for _ in range(workers)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    run_parallel(spans, workers, read)
 
 
 def same_shards(reference: Path, copy: Path) -> bool:
@@ -240,7 +223,7 @@ def table(scenarios: list[dict], rss_rows: list[dict]) -> str:
     ]
     for row in rss_rows:
         lines.append(
-            f"| {row['model_bytes'] / (1 << 30):.0f} GiB | {row['peak_rss'] / MiB:.0f} MiB | "
+            f"| {format_size(row['model_bytes'])} | {row['peak_rss'] / MiB:.0f} MiB | "
             f"{row['budget'] / MiB:.0f} MiB | "
             f"{'yes' if row['peak_rss'] <= row['budget'] else 'NO'} |"
         )

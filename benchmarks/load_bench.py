@@ -20,12 +20,13 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import run_parallel, run_timed
 
 MiB = 1 << 20
 HERE = Path(__file__).resolve().parent
@@ -81,25 +82,16 @@ def probe(files: list[str], workers: int = 8, chunk: int = 16 * MiB) -> object:
     for f, size in zip(files, sizes, strict=True):
         spans += [(f, off, base + off) for off in range(0, size, chunk)]
         base += -(-size // chunk) * chunk
-    lock = threading.Lock()
 
-    def worker() -> None:
-        while True:
-            with lock:
-                if not spans:
-                    return
-                f, off, at = spans.pop()
-            fd = os.open(f, os.O_RDONLY | os.O_DIRECT)
-            try:
-                os.preadv(fd, [view[at : at + chunk]], off)
-            finally:
-                os.close(fd)
+    def read(span: tuple[str, int, int]) -> None:
+        f, off, at = span
+        fd = os.open(f, os.O_RDONLY | os.O_DIRECT)
+        try:
+            os.preadv(fd, [view[at : at + chunk]], off)
+        finally:
+            os.close(fd)
 
-    threads = [threading.Thread(target=worker) for _ in range(workers)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    run_parallel(spans, workers, read)
     return torch.frombuffer(buffer, dtype=torch.uint8)
 
 
@@ -121,14 +113,10 @@ def warm_cache(files: list[str]) -> None:
 
 
 def measure(name: str, files: list[str]) -> dict[str, float]:
-    cmd = ["/usr/bin/time", "-f", "%M", sys.executable, __file__, "--run", name, *files]
-    done = subprocess.run(
-        cmd, capture_output=True, text=True, env={**os.environ, "LOADERPLUG_PROGRESS": "0"}
-    )
-    if done.returncode != 0:
-        raise SystemExit(f"{name} failed:\n{done.stdout}\n{done.stderr}")
-    figures: dict[str, float] = json.loads(done.stdout.strip().splitlines()[-1])
-    figures["rss"] = int(done.stderr.strip().splitlines()[-1]) * 1024
+    cmd = [sys.executable, __file__, "--run", name, *files]
+    _seconds, rss, out = run_timed(cmd, {"LOADERPLUG_PROGRESS": "0"})
+    figures: dict[str, float] = json.loads(out.strip().splitlines()[-1])
+    figures["rss"] = rss
     return figures
 
 

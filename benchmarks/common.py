@@ -1,0 +1,51 @@
+"""Helpers the benchmark scripts share: timed child processes and a tiny thread pool."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import TypeVar
+
+T = TypeVar("T")
+
+
+def run_timed(cmd: list[str], env: dict[str, str] | None = None) -> tuple[float, int, str]:
+    """Wall seconds, peak RSS (bytes) and stdout of one child; fails loudly on error.
+
+    GNU time reports the RSS: a child forked from this Python process would otherwise
+    inherit the benchmark's own high-water mark until it execs.
+    """
+    started = time.perf_counter()
+    done = subprocess.run(
+        ["/usr/bin/time", "-f", "%M", *cmd],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **(env or {})},
+    )
+    elapsed = time.perf_counter() - started
+    if done.returncode != 0:
+        raise SystemExit(f"{cmd[:4]} failed:\n{done.stdout}\n{done.stderr}")
+    return elapsed, int(done.stderr.strip().splitlines()[-1]) * 1024, done.stdout
+
+
+def run_parallel(items: Sequence[T], workers: int, work: Callable[[T], None]) -> None:
+    """Call ``work`` on every item from ``workers`` threads, in order of the list."""
+    pending = list(reversed(items))
+    lock = threading.Lock()
+
+    def worker() -> None:
+        while True:
+            with lock:
+                if not pending:
+                    return
+                item = pending.pop()
+            work(item)
+
+    threads = [threading.Thread(target=worker) for _ in range(workers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
