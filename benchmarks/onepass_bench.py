@@ -71,6 +71,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument(
+        "--tensors-per-shard",
+        type=int,
+        default=32,
+        help="tensors in each of the 4 shards (real checkpoints hold hundreds; default 32)",
+    )
     parser.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, default=HERE / "results")
     args = parser.parse_args()
@@ -88,7 +94,7 @@ def main() -> None:
         tempfile.TemporaryDirectory(prefix="onepass-", dir=ram_dir()) as ram,
     ):
         local = Path(tmp) / "local" / "model"
-        write_model(local, size, 4)
+        write_model(local, size, 4, tensors_per_shard=args.tensors_per_shard)
         backing = Path(ram) / "backing"
         backing.mkdir()
         VolumeCache(dirs=[local], namespace="bench", volume_path=backing, best_effort=False).sync(
@@ -137,10 +143,12 @@ def main() -> None:
     text = "\n".join(lines)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "onepass.md").write_text(
-        f"# One pass from the volume\n\n{size >> 20} MiB, 4 shards; volume as in "
+        f"# One pass from the volume\n\n{size >> 20} MiB, 4 shards of "
+        f"{args.tensors_per_shard} tensors each; volume as in "
         f"hydrate.md; {rounds} round(s), alternating; wall time inside each process "
         f"(imports excluded). Command: `python benchmarks/onepass_bench.py"
-        f"{' --quick' if args.quick else ''}`.\n\n{text}\n"
+        f"{' --quick' if args.quick else ''}"
+        f" --tensors-per-shard {args.tensors_per_shard}`.\n\n{text}\n"
     )
     print(text)
 

@@ -42,6 +42,9 @@ from loaderplug.sinks import PlacingSink, Sink
 from loaderplug.source import Identity, Source, aligned_buffer
 
 TRANSIENT_ERRNOS = frozenset({errno_mod.ENOMEM, errno_mod.EIO, errno_mod.EAGAIN})
+# Reads straight into a sink's memory land in steps of this size (a multiple of every
+# O_DIRECT alignment), so tensors complete as their own bytes land, mid-range.
+PLACED_STEP = 4 * 1024 * 1024
 # Buffers have this much room past a chunk, so a read padded up to the O_DIRECT alignment
 # (at most 64 KiB, see fs.direct_io_alignment) still fits.
 READ_PADDING = 64 * 1024
@@ -333,24 +336,12 @@ class Engine:
             self._writes.put(_Write(job, span, 0, 0, None, span_left))
             return
         placer = next((s for s in job.sinks if isinstance(s, PlacingSink)), None)
+        if placer is not None:
+            span_left[0] = sum(-(-min(self.chunk, end - o) // PLACED_STEP) for o in offsets)
         for offset in offsets:
             length = min(self.chunk, end - offset)
             if placer is not None:
-                # Read straight into the sink's memory: no staging buffer, no copy.
-                size = _padded(job, length) if offset + length >= job.size else length
-                target = placer.place(offset, size)
-                retries = self._retrying(
-                    job,
-                    offset,
-                    length,
-                    "reading",
-                    functools.partial(self._read_piece, job, offset, length, target),
-                )
-                with self._lock:
-                    span_left[1] += retries
-                self._writes.put(
-                    _Write(job, span, offset, length, None, span_left, target[:length])
-                )
+                self._read_placed(job, span, offset, length, placer, span_left)
                 continue
             buffer = self._pool.take(self._cancel)
             try:
@@ -403,21 +394,74 @@ class Engine:
         if self._cancel.wait(backoff_s(self.settings, attempt)):
             raise Cancelled
 
-    def _read_piece(self, job: FileJob, offset: int, length: int, view: memoryview) -> None:
+    def _read_placed(
+        self,
+        job: FileJob,
+        span: Span,
+        offset: int,
+        length: int,
+        placer: PlacingSink,
+        span_left: list[int],
+    ) -> None:
+        """Read straight into the sink's memory (no staging buffer, no copy), handing each
+        step to the writers as soon as it lands, so a tensor is complete as soon as its
+        own bytes are, not when the whole range is. A retry resumes at the failed step."""
+        size = _padded(job, length) if offset + length >= job.size else length
+        target = placer.place(offset, size)
+        done = 0
+
+        def landed(n: int) -> None:
+            nonlocal done
+            self._writes.put(
+                _Write(job, span, offset + done, n, None, span_left, target[done : done + n])
+            )
+            done += n
+
+        def read_rest() -> None:
+            self._read_piece(
+                job, offset + done, length - done, target[done:], step=PLACED_STEP, landed=landed
+            )
+
+        retries = self._retrying(job, offset, length, "reading", read_rest)
+        with self._lock:
+            span_left[1] += retries
+
+    def _read_piece(
+        self,
+        job: FileJob,
+        offset: int,
+        length: int,
+        view: memoryview,
+        *,
+        step: int = 0,
+        landed: Callable[[int], None] | None = None,
+    ) -> None:
+        """Read ``length`` bytes at ``offset`` into ``view`` from a freshly opened source,
+        checking the source's identity before and after; with ``step``, in steps of that
+        size, calling ``landed(n)`` after each."""
         source: Source = first_result(
             self.pm, "loaderplug_open_source", path=job.src, policy=job.policy
         )
         try:
             check_identity(job, source.identity())
-            got = source.pread_into(view[: _padded(job, length)], offset)
-            if got < length:
-                raise HydrateError(
-                    f"source is shorter than expected: read ended at byte {offset + got} "
-                    f"of {job.size}; the mirror file is truncated or still being written",
-                    path=job.src,
-                    range=(offset, length),
-                )
-            check_identity(job, source.identity())
+            pos = 0
+            while pos < length:
+                n = min(step or length, length - pos)
+                last = pos + n >= length
+                want = view[pos : pos + (_padded(job, n) if last else n)]
+                got = source.pread_into(want, offset + pos)
+                if got < n:
+                    raise HydrateError(
+                        f"source is shorter than expected: read ended at byte "
+                        f"{offset + pos + got} of {job.size}; the mirror file is truncated "
+                        f"or still being written",
+                        path=job.src,
+                        range=(offset, length),
+                    )
+                check_identity(job, source.identity())
+                pos += n
+                if landed is not None:
+                    landed(n)
         finally:
             source.close()
 
