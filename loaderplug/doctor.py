@@ -19,7 +19,8 @@ def doctor(paths: Sequence[str], environ: dict[str, str] | None = None) -> str:
         mount = find_mount(path)
         where = f" on {mount.mount_point} ({mount.source})" if mount else ""
         mode = f"direct, {policy.alignment}-byte aligned" if policy.direct else "buffered"
-        lines.append(f"{path}: {policy.fs_type}{where}: {mode}: {policy.reason}")
+        missing = "" if os.path.exists(path) else " (does not exist yet; decided for its folder)"
+        lines.append(f"{path}{missing}: {policy.fs_type}{where}: {mode}: {policy.reason}")
     lines.append("settings:")
     for var in REGISTRY:
         value = getattr(settings, var.field)

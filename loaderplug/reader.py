@@ -105,7 +105,9 @@ def _read_header_retrying(
         except OSError as exc:
             if exc.errno not in TRANSIENT_ERRNOS or attempt + 1 == settings.retry_attempts:
                 raise HydrateError(
-                    f"reading the header failed: {exc.strerror or exc}", path=path, errno=exc.errno
+                    f"{path}: reading the header failed: {exc.strerror or exc}",
+                    path=path,
+                    errno=exc.errno,
                 ) from exc
             time.sleep(backoff_s(settings, attempt))
     raise AssertionError("unreachable")

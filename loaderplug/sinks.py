@@ -96,23 +96,20 @@ class FileSink:
             self.dst.parent.mkdir(parents=True, exist_ok=True)
             fd = os.open(self.temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
         except OSError as exc:
-            raise HydrateError(
-                f"cannot create {self.temp}: {exc.strerror or exc}",
-                path=str(self.dst),
-                errno=exc.errno,
-            ) from exc
+            raise self._error(f"cannot create {self.temp}", exc) from exc
         try:
             self._preallocate(fd)
         except OSError as exc:
             self.abort()
-            raise HydrateError(
-                f"cannot reserve {self.size} bytes in {self.dst.parent}: "
-                f"{exc.strerror or exc}; free some space there or hydrate elsewhere",
-                path=str(self.dst),
-                errno=exc.errno,
-            ) from exc
+            what = f"cannot reserve {self.size} bytes in {self.dst.parent}"
+            raise self._error(what, exc, "; free some space there or hydrate elsewhere") from exc
         finally:
             os.close(fd)
+
+    def _error(self, what: str, exc: OSError, advice: str = "") -> HydrateError:
+        return HydrateError(
+            f"{what}: {exc.strerror or exc}{advice}", path=str(self.dst), errno=exc.errno
+        )
 
     def _preallocate(self, fd: int) -> None:
         # Reserving every block up front turns a full disk into one clear error before any
