@@ -8,7 +8,10 @@ built-in ones included, can be kept from loading by naming it in
 from __future__ import annotations
 
 import functools
+import importlib.machinery
 import importlib.metadata
+import os
+import sys
 from typing import Any
 
 import pluggy
@@ -38,7 +41,7 @@ def _build(disabled: tuple[str, ...]) -> pluggy.PluginManager:
 
     if not pm.is_blocked(BUILTIN_NAME):
         pm.register(builtins, name=BUILTIN_NAME)
-    for ep in importlib.metadata.entry_points(group=PROJECT):
+    for ep in _entry_points():
         if pm.is_blocked(ep.name) or pm.get_plugin(ep.name) is not None:
             continue
         try:
@@ -50,6 +53,43 @@ def _build(disabled: tuple[str, ...]) -> pluggy.PluginManager:
             ) from exc
         pm.register(plugin, name=ep.name)
     return pm
+
+
+def _entry_points() -> importlib.metadata.EntryPoints:
+    """The ``loaderplug`` entry points, without parsing every installed distribution's
+    metadata when none declares one: that full scan costs tens of milliseconds, more
+    than a warm load of a whole model."""
+    if _declared_nowhere(PROJECT):
+        return importlib.metadata.EntryPoints(())
+    return importlib.metadata.entry_points(group=PROJECT)
+
+
+def _declared_nowhere(group: str) -> bool:
+    """True only when certain: every ``sys.path`` entry is a plain folder, no custom
+    finder supplies distributions, and no ``entry_points.txt`` there names ``group``."""
+    if any(
+        hasattr(finder, "find_distributions") and finder is not importlib.machinery.PathFinder
+        for finder in sys.meta_path
+    ):
+        return False
+    section = f"[{group}]"
+    for entry in sys.path:
+        folder = entry or "."
+        if not os.path.isdir(folder):
+            if os.path.exists(folder):  # a zip or other importable file: ask importlib
+                return False
+            continue
+        with os.scandir(folder) as it:
+            for item in it:
+                if not item.name.endswith((".dist-info", ".egg-info")):
+                    continue
+                try:
+                    with open(os.path.join(item.path, "entry_points.txt"), encoding="utf-8") as f:
+                        if section in f.read():
+                            return False
+                except OSError:  # no entry points (or not a folder): nothing declared
+                    continue
+    return True
 
 
 def first_result(pm: pluggy.PluginManager, hook_name: str, **kwargs: Any) -> Any:

@@ -33,6 +33,7 @@ from loaderplug.report import TransferReport
 from loaderplug.settings import Settings, from_env
 from loaderplug.sinks import Sink
 from loaderplug.source import Identity, Source
+from loaderplug.staging import StagingPool, as_bytes, backend_for, pool_for
 from loaderplug.volume import file_sink
 
 if TYPE_CHECKING:
@@ -113,8 +114,55 @@ def _read_header_retrying(
     raise AssertionError("unreachable")
 
 
+class _Coverage:
+    """Counts the bytes of each non-empty tensor still to land; thread-safe."""
+
+    def __init__(self, header: Header) -> None:
+        self.tensors = [t for t in header.tensors if t.nbytes]
+        self._starts = [t.begin for t in self.tensors]
+        self._left = {t.name: t.nbytes for t in self.tensors}
+        self._lock = threading.Lock()
+        self.aborted = False
+
+    def pieces(self, offset: int, end: int) -> Iterator[tuple[TensorInfo, int, int]]:
+        """``(tensor, begin, end)`` for each tensor overlapping ``[offset, end)``."""
+        first = max(0, bisect.bisect_right(self._starts, offset) - 1)
+        for t in self.tensors[first:]:
+            if t.begin >= end:
+                return
+            begin, stop = max(offset, t.begin), min(end, t.end)
+            if stop > begin:
+                yield t, begin, stop
+
+    def landed(self, offset: int, end: int) -> list[TensorInfo]:
+        """Record ``[offset, end)`` as landed; returns the tensors it completed (none once
+        aborted, so a failed file never hands over a tensor)."""
+        done = []
+        with self._lock:
+            if self.aborted:
+                return []
+            for t, begin, stop in self.pieces(offset, end):
+                self._left[t.name] -= stop - begin
+                if self._left[t.name] == 0:
+                    done.append(t)
+        return done
+
+    def check_complete(self, path: str) -> None:
+        with self._lock:
+            missing = [name for name, left in self._left.items() if left]
+        if missing:
+            raise FormatError(f"{path}: tensors never completed: {missing[:5]}")
+
+    def abort(self) -> None:
+        with self._lock:
+            self.aborted = True
+
+
+Emit = Callable[[str, "torch.Tensor"], None]
+
+
 class TensorSink:
-    """Assembles a file's tensors in memory of their own; emits each one once complete.
+    """Assembles a file's tensors in host memory of their own; emits each once complete.
 
     The file's bytes land in one page-aligned anonymous mapping per file, at their file
     offsets: the engine reads ranges straight into it (:meth:`place`) or, when it staged
@@ -122,18 +170,12 @@ class TensorSink:
     mapping, which is never reused, so it keeps its bytes for as long as it lives.
     """
 
-    def __init__(
-        self, header: Header, device: str, emit: Callable[[str, torch.Tensor], None]
-    ) -> None:
+    def __init__(self, header: Header, device: str, emit: Emit) -> None:
         self.header = header
         self.device = device
         self.emit = emit
         self._dtypes = {t.name: torch_dtype(header.path, t.name, t.dtype) for t in header.tensors}
-        self._tensors = [t for t in header.tensors if t.nbytes]
-        self._starts = [t.begin for t in self._tensors]
-        self._left = {t.name: t.nbytes for t in self._tensors}
-        self._lock = threading.Lock()
-        self._aborted = False
+        self._coverage = _Coverage(header)
         self._mapping: mmap.mmap | None = None
         self._view = memoryview(b"")
 
@@ -151,21 +193,7 @@ class TensorSink:
     def write(self, data: memoryview, offset: int) -> None:
         if data.obj is not self._mapping:  # staged elsewhere: copy it in
             self._view[offset : offset + len(data)] = data
-        end = offset + len(data)
-        first = max(0, bisect.bisect_right(self._starts, offset) - 1)
-        done: list[TensorInfo] = []
-        with self._lock:
-            if self._aborted:
-                return
-            for t in self._tensors[first:]:
-                if t.begin >= end:
-                    break
-                covered = min(end, t.end) - max(offset, t.begin)
-                if covered > 0:
-                    self._left[t.name] -= covered
-                    if self._left[t.name] == 0:
-                        done.append(t)
-        for t in done:
+        for t in self._coverage.landed(offset, offset + len(data)):
             self._deliver(t)
 
     def _deliver(self, t: TensorInfo) -> None:
@@ -175,19 +203,74 @@ class TensorSink:
         else:
             raw = torch.empty(0, dtype=torch.uint8)
         tensor = raw.view(self._dtypes[t.name]).reshape(t.shape)
-        if self.device != "cpu":
+        if self.device != "cpu":  # a device without a staging backend
             tensor = tensor.to(self.device)
         self.emit(t.name, tensor)
 
     def commit(self) -> None:
-        with self._lock:
-            missing = [name for name, left in self._left.items() if left]
-        if missing:
-            raise FormatError(f"{self.header.path}: tensors never completed: {missing[:5]}")
+        self._coverage.check_complete(self.header.path)
 
     def abort(self) -> None:
-        with self._lock:
-            self._aborted = True
+        self._coverage.abort()
+
+
+class DeviceTensorSink:
+    """Sends each landed range to device memory through pinned staging (see
+    :mod:`loaderplug.staging`); emits a tensor once its copies have completed.
+
+    Host memory stays bounded by the staging pool: the file is never assembled on the
+    host. Each tensor gets device memory of its own when the file is prepared.
+    """
+
+    def __init__(self, header: Header, pool: StagingPool, emit: Emit) -> None:
+        self.header = header
+        self.pool = pool
+        self.emit = emit
+        self._dtypes = {t.name: torch_dtype(header.path, t.name, t.dtype) for t in header.tensors}
+        self._coverage = _Coverage(header)
+        self._device: dict[str, torch.Tensor] = {}
+
+    def prepare(self) -> None:
+        for t in self._coverage.tensors:
+            self._device[t.name] = self.pool.backend.empty(t.nbytes)
+        for t in self.header.tensors:
+            if not t.nbytes:
+                self._deliver(t, self.pool.backend.empty(0))
+
+    def write(self, data: memoryview, offset: int) -> None:
+        step = self.pool.size
+        for start in range(0, len(data), step):
+            self._stage(data[start : start + step], offset + start)
+
+    def _stage(self, data: memoryview, offset: int) -> None:
+        end = offset + len(data)
+        buffer = self.pool.take()
+        try:
+            as_bytes(buffer)[: len(data)] = data
+            for t, begin, stop in self._coverage.pieces(offset, end):
+                self.pool.backend.copy_async(
+                    self._device[t.name][begin - t.begin : stop - t.begin],
+                    buffer[begin - offset : stop - offset],
+                )
+        finally:
+            event = self.pool.backend.record()
+            self.pool.give(buffer, event)
+        done = self._coverage.landed(offset, end)
+        if done:
+            event.synchronize()  # covers every earlier copy too: one stream, in order
+            for t in done:
+                self._deliver(t, self._device.pop(t.name))
+
+    def _deliver(self, t: TensorInfo, raw: torch.Tensor) -> None:
+        self.emit(t.name, raw.view(self._dtypes[t.name]).reshape(t.shape))
+
+    def commit(self) -> None:
+        self._coverage.check_complete(self.header.path)
+
+    def abort(self) -> None:
+        self._coverage.abort()
+        self.pool.drain()  # no copy may still be writing memory that is about to go
+        self._device.clear()
 
 
 _DONE = object()
@@ -235,6 +318,17 @@ def iter_tensors(
     pm = plugin_manager(settings.disable_plugins)
     ready: queue.SimpleQueue[Any] = queue.SimpleQueue()
     jobs = []
+    backend = backend_for(device)
+    pool = pool_for(backend, settings.bytes_in_flight) if backend is not None else None
+
+    def tensor_sink(header: Header) -> Sink:
+        def emit(name: str, tensor: torch.Tensor) -> None:
+            ready.put((name, tensor))
+
+        if pool is not None:
+            return DeviceTensorSink(header, pool, emit)
+        return TensorSink(header, device, emit)
+
     mapped: list[Header] = []
     io_modes: dict[str, str] = {}
     for raw_path in paths:
@@ -253,7 +347,7 @@ def iter_tensors(
                 pm, "loaderplug_io_policy", path=str(dst), mode=settings.direct_io
             )
             sinks.append(file_sink(dst, identity, settings, target))
-        sinks.append(TensorSink(header, device, lambda name, t: ready.put((name, t))))
+        sinks.append(tensor_sink(header))
         jobs.append(FileJob(Path(path).name, path, identity, sinks, policy))
     engine = Engine(settings, pm, job="load")
     outcome: dict[str, Any] = {}

@@ -233,3 +233,18 @@ def test_an_observer_that_raises_does_not_fail_the_copy(
     report = hydrate(model, tmp_path / "local", **FAST)
     assert report.ok and tree_bytes(tmp_path / "local") == tree_bytes(model)
     assert "loaderplug_on_range_done raised" in caplog.text
+
+
+def test_entry_point_scan_is_skipped_only_when_no_distribution_declares_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from loaderplug import plugins
+
+    assert plugins._declared_nowhere("loaderplug-no-such-group")
+    write_distribution(tmp_path, "declared", PLUGIN_MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert not plugins._declared_nowhere("loaderplug")
+    # A zip on the path could hold metadata the quick scan cannot see: ask importlib.
+    monkeypatch.syspath_prepend(str(tmp_path / "archive.zip"))
+    (tmp_path / "archive.zip").write_bytes(b"")
+    assert not plugins._declared_nowhere("loaderplug-no-such-group")

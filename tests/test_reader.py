@@ -187,3 +187,28 @@ def test_load_file_streams_a_cold_file_read_direct(shards: list[Path]) -> None:
     mode = stats["io"][str(shards[0])]  # type: ignore[index]
     assert not mode.startswith("mapped"), mode
     assert all(same(got[k], v) for k, v in reference(shards[:1]).items())
+
+
+@pytest.mark.parametrize("floats", [10, 3 * 16384 + 25])  # all tail / three blocks and a tail
+def test_a_tail_shorter_than_the_alignment_reads_whole(tmp_path: Path, floats: int) -> None:
+    path = tmp_path / "tail.safetensors"
+    safetensors_torch.save_file({"w": torch.randn(floats), "b": torch.randn(3)}, str(path))
+    align = 64 * 1024
+    assert 0 < path.stat().st_size % align < align
+
+    class Wide:  # the widest alignment a filesystem reports (see fs.direct_io_alignment)
+        @hookimpl(tryfirst=True)
+        def loaderplug_io_policy(self, path: str, mode: str) -> IOPolicy:
+            return IOPolicy(direct=True, alignment=align, fs_type="ext4", reason="test")
+
+    plugin = Wide()
+    plugin_manager().register(plugin)
+    try:
+        stats: dict[str, object] = {}
+        got = dict(
+            iter_tensors([path], stats=stats, chunk_bytes="64K", split_threshold_bytes=0)
+        )
+    finally:
+        plugin_manager().unregister(plugin)
+    assert stats["io"][str(path)].startswith("direct")  # type: ignore[index]
+    assert all(same(got[k], v) for k, v in safetensors_torch.load_file(str(path)).items())
