@@ -17,6 +17,9 @@ def loaderplug_find_mirror(request: MirrorRequest) -> Path | None:
     if not volume:
         return None
     candidate = Path(volume) / request.subpath
+    if request.kind == "hub":
+        # The Hub layout's root: its repos are looked up (and created) inside it.
+        return candidate if Path(volume).is_dir() else None
     return candidate if candidate.exists() else None
 
 

@@ -146,6 +146,12 @@ REGISTRY: tuple[Variable, ...] = (
         "O_DIRECT reads: auto (by filesystem type), on, or off.",
         choices=("auto", "on", "off"),
     ),
+    Variable(
+        "sync",
+        "bool",
+        True,
+        "After a Hub download that the mirror could not serve, copy it to the mirror.",
+    ),
 )
 
 BY_FIELD: dict[str, Variable] = {v.field: v for v in REGISTRY}
@@ -182,6 +188,7 @@ class Settings:
     disable_plugins: tuple[str, ...] = ()
     volume: str | None = None
     direct_io: str = "auto"
+    sync: bool = True
     sources: Mapping[str, Source] = field(default_factory=dict, compare=False, repr=False)
 
     @property

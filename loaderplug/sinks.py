@@ -13,6 +13,7 @@ import errno
 import logging
 import os
 import secrets
+from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
@@ -79,16 +80,19 @@ class FileSink:
         fsync: bool,
         direct_alignment: int = 0,
         preallocate: bool = True,
+        verify: Callable[[Path], None] | None = None,
     ) -> None:
         """``direct_alignment`` > 0 writes aligned ranges with O_DIRECT (local block
         filesystems): no page-cache copy, no dirty pages for the final fsync to flush.
-        ``preallocate`` reserves the file's blocks before the first write."""
+        ``preallocate`` reserves the file's blocks before the first write. ``verify``
+        checks the finished temp file before it is published; raising refuses it."""
         self.dst = dst
         self.size = size
         self.mtime_ns = mtime_ns
         self.fsync = fsync
         self.direct_alignment = direct_alignment
         self.preallocate = preallocate
+        self.verify = verify
         self.temp = temp_name_for(dst)
 
     def prepare(self) -> None:
@@ -157,6 +161,8 @@ class FileSink:
             os.close(fd)
 
     def commit(self) -> None:
+        if self.verify is not None:
+            self.verify(self.temp)
         os.utime(self.temp, ns=(self.mtime_ns, self.mtime_ns))
         if self.fsync:
             fd = os.open(self.temp, os.O_RDONLY | os.O_CLOEXEC)

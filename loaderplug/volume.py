@@ -8,6 +8,7 @@ the destination's cross-process lock; sync writes the mirror's manifest last.
 
 from __future__ import annotations
 
+import functools
 import mmap
 import os
 import posixpath
@@ -15,7 +16,7 @@ import stat
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +57,8 @@ class _Listing:
     symlinks: dict[str, str]
     dirs: list[str]
     refused: dict[str, str]
+    # Where a file comes from, where that differs from where it goes (``select``).
+    sources: dict[str, str] = field(default_factory=dict)
 
 
 def _list_source(src: Path, use_manifest: bool) -> _Listing:
@@ -167,7 +170,13 @@ def _progress(settings: Settings, total: int, desc: str) -> tuple[Callable[[int]
     return update, bar
 
 
-def file_sink(dst: Path, identity: Identity, settings: Settings, target: IOPolicy) -> FileSink:
+def file_sink(
+    dst: Path,
+    identity: Identity,
+    settings: Settings,
+    target: IOPolicy,
+    verify: Callable[[Path], None] | None = None,
+) -> FileSink:
     """The sink that publishes ``dst``, writing the way its filesystem wants."""
     return FileSink(
         dst,
@@ -179,6 +188,7 @@ def file_sink(dst: Path, identity: Identity, settings: Settings, target: IOPolic
         direct_alignment=max(target.alignment, mmap.PAGESIZE) if target.direct else 0,
         # On a network filesystem glibc would emulate fallocate with a write per block.
         preallocate=not is_network_type(target.fs_type),
+        verify=verify,
     )
 
 
@@ -188,6 +198,7 @@ def _file_jobs(
     dst: Path,
     settings: Settings,
     pm: pluggy.PluginManager,
+    verify: Verify | None,
 ) -> tuple[list[FileJob], list[FileResult]]:
     """A job per file that the destination does not already hold; the rest are skipped."""
     policy_for = _PolicyCache(pm, settings.direct_io)
@@ -196,9 +207,16 @@ def _file_jobs(
         if _is_current(dst / rel, identity):
             skipped.append(FileResult(rel, "skipped", identity.size))
             continue
-        sink = file_sink(dst / rel, identity, settings, policy_for(dst / rel))
-        jobs.append(FileJob(rel, str(src / rel), identity, [sink], policy_for(src / rel)))
+        check = functools.partial(verify, rel) if verify is not None else None
+        sink = file_sink(dst / rel, identity, settings, policy_for(dst / rel), check)
+        origin = src / listing.sources.get(rel, rel)
+        jobs.append(FileJob(rel, str(origin), identity, [sink], policy_for(origin)))
     return jobs, skipped
+
+
+# Called with a file's destination path (relative) and its finished temp file before
+# that is published; raising refuses the file (see FileSink).
+Verify = Callable[[str, Path], None]
 
 
 def transfer(
@@ -212,25 +230,98 @@ def transfer(
 ) -> TransferReport:
     """Copy the tree at ``src`` to ``dst`` under ``dst``'s lock. The shared core of
     :func:`hydrate` and :func:`sync`."""
-    src, dst = Path(src), Path(dst)
+    src, dst = _check_apart(job, Path(src), Path(dst))
+    return _run(
+        job,
+        src,
+        dst,
+        settings,
+        lambda: _list_source(src, use_manifest),
+        write_manifest=write_manifest,
+    )
+
+
+def select(
+    job: str,
+    src: str | os.PathLike[str],
+    dst: str | os.PathLike[str],
+    files: dict[str, str],
+    symlinks: dict[str, str],
+    settings: Settings,
+    *,
+    verify: Verify | None = None,
+    lock_in: str = "",
+) -> TransferReport:
+    """Copy chosen files of ``src`` to ``dst`` under ``dst``'s lock: ``files`` maps each
+    destination path to its source path (both relative), ``symlinks`` a destination path
+    to its relative target. ``verify`` checks each copied file before it is published.
+    ``lock_in`` puts the lock in a subfolder of ``dst`` (one its owner ignores).
+
+    This is how a layout that is not a plain mirror of a folder (a Hub cache, say) is
+    copied with the engine's guarantees.
+    """
+    src_path, dst_path = _check_apart(job, Path(src), Path(dst))
+
+    def listing() -> _Listing:
+        chosen = _Listing({}, dict(symlinks), [], {}, {})
+        for rel, origin in sorted(files.items()):
+            try:
+                st = os.stat(src_path / origin)
+            except OSError as exc:
+                chosen.refused[rel] = f"cannot read {origin} on the mirror: {exc.strerror or exc}"
+                continue
+            chosen.files[rel] = Identity.of(st)
+            if origin != rel:
+                chosen.sources[rel] = origin
+        parents = {posixpath.dirname(rel) for rel in [*chosen.files, *chosen.symlinks]}
+        chosen.dirs = sorted(d for d in parents if d)
+        return chosen
+
+    return _run(
+        job,
+        src_path,
+        dst_path,
+        settings,
+        listing,
+        write_manifest=False,
+        verify=verify,
+        lock_dir=dst_path / lock_in,
+    )
+
+
+def _check_apart(job: str, src: Path, dst: Path) -> tuple[Path, Path]:
     if not src.is_dir():
         raise MirrorError(f"{job} source {src} is not a folder; check the path")
     src_real, dst_real = src.resolve(), dst.resolve()
     if src_real == dst_real or src_real in dst_real.parents or dst_real in src_real.parents:
         raise MirrorError(f"{job} source {src} and destination {dst} overlap; pick folders apart")
+    return src, dst
+
+
+def _run(
+    job: str,
+    src: Path,
+    dst: Path,
+    settings: Settings,
+    list_source: Callable[[], _Listing],
+    *,
+    write_manifest: bool,
+    verify: Verify | None = None,
+    lock_dir: Path | None = None,
+) -> TransferReport:
     pm = plugin_manager(settings.disable_plugins)
     report = TransferReport(
         job, str(src), str(dst), settings.effective_workers, settings.effective_chunk_bytes
     )
-    with locked(dst, settings.lock_timeout_s) as waited:
+    with locked(lock_dir or dst, settings.lock_timeout_s) as waited:
         report.waited_for_lock_s = waited
         # We hold the lock, so any temp file here belongs to a run that died.
         for leftover in temp_files(dst):
             leftover.unlink(missing_ok=True)
-        listing = _list_source(src, use_manifest)
+        listing = list_source()
         started = time.monotonic()
         dir_failures = _make_dirs(dst, listing.dirs)
-        jobs, skipped = _file_jobs(listing, src, dst, settings, pm)
+        jobs, skipped = _file_jobs(listing, src, dst, settings, pm, verify)
         report.results.extend(skipped + dir_failures)
         on_bytes, bar = _progress(settings, sum(j.size for j in jobs), f"{job} {src.name}")
         engine = Engine(settings, pm, job=job, on_bytes=on_bytes)

@@ -17,6 +17,7 @@ from loaderplug.plugins import plugin_manager
 from loaderplug.source import Identity, PosixSource
 from loaderplug.testing.model import write_model
 from loaderplug.tree import is_own_name
+from tests.hubserver import hub as hub
 
 # Small ranges so a few MiB exercise many spans per file; quick backoff.
 FAST = {
@@ -34,6 +35,16 @@ def _clean_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     for name in list(os.environ):
         if name.startswith("LOADERPLUG_"):
             monkeypatch.delenv(name)
+
+
+@pytest.fixture
+def shards(tmp_path: Path) -> list[Path]:
+    """Three small safetensors shards (needs torch and safetensors)."""
+    pytest.importorskip("torch")
+    pytest.importorskip("safetensors")
+    from tests.helpers.tensors import write_shards
+
+    return write_shards(tmp_path)
 
 
 @pytest.fixture

@@ -18,16 +18,7 @@ from tests.conftest import FAST
 torch = pytest.importorskip("torch")
 safetensors_torch = pytest.importorskip("safetensors.torch")
 from loaderplug.reader import iter_tensors, load_file  # noqa: E402
-
-# Freshly written files sit in the page cache, where the reader would map them; forcing
-# direct reads makes it stream them range by range, in 4 KiB ranges.
-STREAMED = {"chunk_bytes": "4K", "split_threshold_bytes": 0, "direct_io": "on", "progress": False}
-
-
-def same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    if a.dtype != b.dtype or a.shape != b.shape:
-        return False
-    return a.contiguous().view(torch.uint8).equal(b.contiguous().view(torch.uint8))
+from tests.helpers.tensors import STREAMED, reference, same  # noqa: E402
 
 
 def every_dtype_model(path: Path) -> dict[str, torch.Tensor]:
@@ -53,26 +44,6 @@ def test_load_file_equals_safetensors_for_every_dtype(tmp_path: Path) -> None:
     assert sorted(got) == sorted(expected)
     for name, tensor in expected.items():
         assert same(got[name], tensor), name
-
-
-@pytest.fixture
-def shards(tmp_path: Path) -> list[Path]:
-    paths = []
-    for shard in range(3):
-        tensors = {f"s{shard}.w{i}": torch.randn(97, 53 + i) for i in range(6)} | {
-            f"s{shard}.zero": torch.empty(0, 9, dtype=torch.float16)
-        }
-        path = tmp_path / f"model-{shard}.safetensors"
-        safetensors_torch.save_file(tensors, str(path))
-        paths.append(path)
-    return paths
-
-
-def reference(paths: list[Path]) -> dict[str, torch.Tensor]:
-    out: dict[str, torch.Tensor] = {}
-    for p in paths:
-        out |= safetensors_torch.load_file(str(p))
-    return out
 
 
 def test_tensors_crossing_range_boundaries_are_assembled(shards: list[Path]) -> None:
@@ -205,9 +176,7 @@ def test_a_tail_shorter_than_the_alignment_reads_whole(tmp_path: Path, floats: i
     plugin_manager().register(plugin)
     try:
         stats: dict[str, object] = {}
-        got = dict(
-            iter_tensors([path], stats=stats, chunk_bytes="64K", split_threshold_bytes=0)
-        )
+        got = dict(iter_tensors([path], stats=stats, chunk_bytes="64K", split_threshold_bytes=0))
     finally:
         plugin_manager().unregister(plugin)
     assert stats["io"][str(path)].startswith("direct")  # type: ignore[index]

@@ -20,7 +20,7 @@ from loaderplug.staging import StagingPool
 torch = pytest.importorskip("torch")
 safetensors_torch = pytest.importorskip("safetensors.torch")
 from loaderplug.reader import iter_tensors  # noqa: E402
-from tests.test_reader import STREAMED, reference, same, shards  # noqa: E402, F401
+from tests.helpers.tensors import STREAMED, reference, same  # noqa: E402
 
 
 class LateEvent:
@@ -73,9 +73,7 @@ class LateBackend:
 @pytest.fixture
 def late(monkeypatch: pytest.MonkeyPatch) -> LateBackend:
     backend = LateBackend()
-    monkeypatch.setattr(
-        "loaderplug.reader.backend_for", lambda d: backend if d == "late" else None
-    )
+    monkeypatch.setattr("loaderplug.reader.backend_for", lambda d: backend if d == "late" else None)
     # Two 4 KiB staging buffers for the whole job: each is reused many times over.
     monkeypatch.setattr(staging, "STAGING_BUFFER_BYTES", 4096)
     return backend

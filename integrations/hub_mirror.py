@@ -1,0 +1,224 @@
+"""Hub repos on the mirror, in the Hub's own cache layout, and copies in both directions.
+
+``<mirror>/models--org--name/`` is laid out exactly as ``$HF_HOME/hub/models--org--name/``
+(so a volume that once served as ``HF_HOME`` is a mirror already)::
+
+    blobs/<etag>                          file contents, named by sha256 (LFS) or git sha1
+    snapshots/<commit>/<path>             relative symlinks to ../../blobs/<etag>
+    refs/<branch>                         the commit a branch pointed at
+    trees/<commit>.json                   the repo's complete file listing at that commit
+
+The listing is what makes a mirror trustworthy: it names every file of the commit with
+its size and etag, so a hydrate knows whether the mirror holds everything a call's
+patterns select, and refuses a blob whose size or content does not match its name.
+Blobs are copied by the range engine (:func:`loaderplug.volume.select`), verified before
+they are published, and the snapshot links follow them; a ref is written last, so a
+reader that finds it finds the whole snapshot.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from loaderplug.errors import HydrateError, MirrorError
+from loaderplug.report import TransferReport
+from loaderplug.settings import Settings
+from loaderplug.sinks import temp_name_for
+from loaderplug.volume import select
+
+COMMIT = re.compile(r"^[0-9a-f]{40}$")
+SHA256 = re.compile(r"^[0-9a-f]{64}$")
+LISTING_FORMAT = 1  # huggingface_hub's trees/<commit>.json format_version
+HASH_BLOCK = 8 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class RepoFile:
+    """One file of a commit: its path in the repo, the blob that holds it, its size."""
+
+    path: str
+    blob: str
+    size: int
+
+
+def resolve_commit(folder: Path, revision: str) -> str | None:
+    """The commit ``revision`` names in the cache ``folder``: itself if it is one, else
+    what ``refs/<revision>`` says, else None."""
+    if COMMIT.match(revision):
+        return revision
+    try:
+        commit = (folder / "refs" / revision).read_text().strip()
+    except (OSError, UnicodeDecodeError):
+        return None
+    return commit if COMMIT.match(commit) else None
+
+
+def listing_rel(commit: str) -> str:
+    return f"trees/{commit}.json"
+
+
+def read_listing(folder: Path, commit: str) -> dict[str, RepoFile] | None:
+    """Every file of ``commit`` from the folder's ``trees/<commit>.json``, or None when
+    there is no usable listing (absent, unreadable, or of an unknown format)."""
+    try:
+        data = json.loads((folder / listing_rel(commit)).read_text(encoding="utf-8"))
+        if data.get("format_version") != LISTING_FORMAT:
+            return None
+        files = {}
+        for path, entry in data["files"].items():
+            # The blob is named by the ETag the Hub serves: the LFS sha256, else the git
+            # blob id; an LFS entry's size is the LFS object's.
+            blob = entry.get("lfs_sha256") or entry["blob_id"]
+            size = entry.get("lfs_size") or entry["size"]
+            files[path] = RepoFile(path, str(blob), int(size))
+        return files
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
+def link_target(path: str, blob: str) -> str:
+    """The relative target of ``snapshots/<commit>/<path>``, as huggingface_hub makes it."""
+    return "../" * (path.count("/") + 2) + f"blobs/{blob}"
+
+
+def verify_blob(rel: str, temp: Path) -> None:
+    """Refuse a copied blob whose content does not match its name: a sha256 name is the
+    content's sha256, a git blob id the git hash of it. Other names are not checked."""
+    name = rel.rsplit("/", 1)[-1]
+    if SHA256.match(name):
+        digest = hashlib.sha256()
+    elif COMMIT.match(name):  # a git blob id: sha1 over a "blob <size>\0" header
+        digest = hashlib.sha1(usedforsecurity=False)
+        digest.update(b"blob %d\0" % temp.stat().st_size)
+    else:
+        return
+    with open(temp, "rb", buffering=0) as f:
+        while block := f.read(HASH_BLOCK):
+            digest.update(block)
+    if digest.hexdigest() != name:
+        raise HydrateError(
+            f"{rel}: the mirror's copy does not match its name (content hash "
+            f"{digest.hexdigest()}); it is corrupt and is not used",
+            path=rel,
+        )
+
+
+@dataclass
+class Selection:
+    """What a call asks of the mirror at one commit: files it holds, files it cannot give."""
+
+    commit: str
+    usable: list[RepoFile]
+    refused: dict[str, str]  # repo path -> why the mirror cannot serve it
+
+
+def plan(
+    folder: Path, commit: str, wanted: Sequence[str], listing: dict[str, RepoFile]
+) -> Selection:
+    """Check each wanted file's blob on the mirror against the listing, by size."""
+    selection = Selection(commit, [], {})
+    for path in wanted:
+        entry = listing[path]
+        try:
+            size = os.stat(folder / "blobs" / entry.blob).st_size
+        except OSError:
+            selection.refused[path] = "its blob is not on the mirror"
+            continue
+        if size != entry.size:
+            selection.refused[path] = (
+                f"its blob on the mirror has {size} bytes; the listing says {entry.size}"
+            )
+            continue
+        selection.usable.append(entry)
+    return selection
+
+
+def hydrate_cache(
+    mirror: Path, local: Path, selection: Selection, settings: Settings
+) -> TransferReport:
+    """Copy the selection into the cache folder ``local`` (Hub layout): blobs, verified
+    before they are published, the listing, and the snapshot links to what landed."""
+    files = {f"blobs/{f.blob}": f"blobs/{f.blob}" for f in selection.usable}
+    rel = listing_rel(selection.commit)
+    files[rel] = rel
+    links = {
+        f"snapshots/{selection.commit}/{f.path}": link_target(f.path, f.blob)
+        for f in selection.usable
+    }
+    return select("hydrate", mirror, local, files, links, settings, verify=verify_blob)
+
+
+def hydrate_local_dir(
+    mirror: Path, local_dir: Path, selection: Selection, settings: Settings
+) -> TransferReport:
+    """Copy the selection into ``local_dir`` as plain files at their repo paths, with the
+    listing where huggingface_hub keeps it for a ``local_dir`` download."""
+    files = {f.path: f"blobs/{f.blob}" for f in selection.usable}
+    rel = listing_rel(selection.commit)
+    files[f".cache/huggingface/{rel}"] = rel
+    by_path = {f.path: f.blob for f in selection.usable}
+
+    def verify(dst_rel: str, temp: Path) -> None:
+        if dst_rel in by_path:
+            verify_blob(f"blobs/{by_path[dst_rel]}", temp)
+
+    # The lock goes with huggingface_hub's own bookkeeping, not among the user's files.
+    return select(
+        "hydrate",
+        mirror,
+        local_dir,
+        files,
+        {},
+        settings,
+        verify=verify,
+        lock_in=".cache/huggingface",
+    )
+
+
+def write_ref(folder: Path, revision: str, commit: str) -> None:
+    """Point ``refs/<revision>`` at ``commit``, atomically (a reader sees old or new)."""
+    ref = folder / "refs" / revision
+    if ref.is_file() and ref.read_text().strip() == commit:
+        return
+    ref.parent.mkdir(parents=True, exist_ok=True)
+    temp = temp_name_for(ref)
+    temp.write_text(commit)
+    os.replace(temp, ref)
+
+
+def sync_snapshot(
+    local: Path,
+    mirror: Path,
+    commit: str,
+    revision: str,
+    wanted: Sequence[str],
+    settings: Settings,
+    *,
+    local_dir: bool = False,
+) -> TransferReport:
+    """Copy a downloaded snapshot (``wanted`` paths of ``commit``) to the mirror folder,
+    then the ref last. ``local`` is the repo's cache folder, or with ``local_dir`` the
+    folder a ``local_dir`` download filled with plain files."""
+    meta = ".cache/huggingface/" if local_dir else ""
+    listing = read_listing(local / meta, commit)
+    if listing is None:
+        raise MirrorError(
+            f"{local}: no file listing for commit {commit} ({meta}trees/{commit}.json); "
+            f"without it the mirror could not tell a complete snapshot, so it is not filled"
+        )
+    entries = [listing[p] for p in wanted if p in listing]
+    files = {f"blobs/{f.blob}": (f.path if local_dir else f"blobs/{f.blob}") for f in entries}
+    rel = listing_rel(commit)
+    files[rel] = meta + rel
+    links = {f"snapshots/{commit}/{f.path}": link_target(f.path, f.blob) for f in entries}
+    mirror.mkdir(parents=True, exist_ok=True)
+    report = select("sync", local, mirror, files, links, settings, verify=verify_blob)
+    if report.ok and not COMMIT.match(revision):
+        write_ref(mirror, revision, commit)
+    return report
