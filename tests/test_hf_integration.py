@@ -288,3 +288,24 @@ def test_install_and_uninstall_rebind_every_namespace(
         assert lp_hub.original_snapshot_download is original
     finally:
         del sys.modules["early_consumer"]
+
+
+def test_the_example_worker_fills_then_uses_the_mirror(
+    hub: HubServer, tmp_path: Path, volume: Path
+) -> None:
+    import subprocess
+
+    hub.add_repo(REPO, FILES)
+    script = Path(__file__).resolve().parent.parent / "examples" / "hf_worker.py"
+    env = {**os.environ, "HF_ENDPOINT": hub.endpoint}
+    for worker in ("one", "two"):
+        env["HF_HUB_CACHE"] = str(tmp_path / f"cache-{worker}")
+        done = subprocess.run(
+            [sys.executable, str(script), REPO], env=env, capture_output=True, text=True
+        )
+        assert done.returncode == 0, done.stderr
+        assert "ready at" in done.stdout
+        if worker == "one":
+            assert hub.file_requests() > 0
+            hub.reset_counts()
+    assert hub.requests == []  # the second worker, in a process of its own
