@@ -1,0 +1,280 @@
+"""Hugging Face hub: a second worker served from the volume mirror against the Hub itself.
+
+A ~1 GiB repo (4 safetensors shards, config.json, the index) on the local Hub server
+(``tests/hubserver.py``, plain HTTP on loopback). Before timing, loaderplug's
+``snapshot_download`` runs once with the volume's backing folder as ``LOADERPLUG_VOLUME``:
+it downloads the repo and copies it to the mirror (``hub/models--org--name/``). Then
+three contenders, each in its own process, alternating round by round:
+
+* worker 1: Hub download     ``huggingface_hub.snapshot_download(repo, cache_dir=<empty>)``
+                             from the server: the plain client
+* worker 2: loaderplug ...   ``LOADERPLUG_VOLUME=<mount>``, loaderplug's
+                             ``snapshot_download(repo, cache_dir=<empty>)``: hydrated from
+                             the mirror, no request to the server (checked)
+* huggingface_hub, mirror    ``HF_HUB_CACHE=<mount>/hub HF_HUB_OFFLINE=1``,
+  as cache                   ``snapshot_download(repo)``: the path on the mount
+
+``call s`` is the ``snapshot_download`` call; ``usable s`` adds one sequential read of
+every file of the returned snapshot in 16 MiB blocks, one file after another (what a
+loader does next). The mount is the FUSE test volume with hydrate_bench's object-store
+profile; it opens files with direct_io, so the page cache does not hide its throttle.
+
+    apt-get install -y fuse3 time && pip install -e '.[bench,hf]' pytest
+    python benchmarks/hub_bench.py            # full: ~1 GiB repo, 3 rounds
+    python benchmarks/hub_bench.py --quick    # 256 MiB repo, 1 round
+
+Writes benchmarks/results/hub.md and hub.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import filecmp
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+# Only the standard library at the top: a child's peak RSS is the contender's own.
+MiB = 1 << 20
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+REPO = "bench-org/bench-model"
+BLOCK = 16 * MiB
+HUB = "worker 1: Hub download"
+LOADERPLUG = "worker 2: loaderplug from the mirror"
+MOUNT = "huggingface_hub, mirror as cache"
+NAMES = [HUB, LOADERPLUG, MOUNT]
+
+
+def read_snapshot(folder: str) -> tuple[int, int]:
+    """Read every file under ``folder`` once (links followed), in 16 MiB blocks, files in
+    path order; the bytes and files read."""
+    paths = sorted(
+        os.path.relpath(os.path.join(root, name), folder)
+        for root, _dirs, files in os.walk(folder)
+        for name in files
+    )
+    view = memoryview(bytearray(BLOCK))
+    total = 0
+    for rel in paths:
+        with open(os.path.join(folder, rel), "rb", buffering=0) as f:
+            while n := f.readinto(view):
+                total += n
+    return total, len(paths)
+
+
+def child(name: str, repo: str, cache_dir: str) -> dict[str, object]:
+    """One contender's run, timed from just before the call (imports excluded)."""
+    if name == LOADERPLUG:
+        from loaderplug.integrations.huggingface_hub import snapshot_download
+    else:
+        from huggingface_hub import snapshot_download
+    kwargs = {"cache_dir": cache_dir} if cache_dir else {}
+    started = time.perf_counter()
+    path = snapshot_download(repo, **kwargs)
+    call = time.perf_counter() - started
+    nbytes, nfiles = read_snapshot(path)
+    usable = time.perf_counter() - started
+    return {"call_s": call, "usable_s": usable, "bytes": nbytes, "files": nfiles, "path": path}
+
+
+def check_mirror(mirror: Path, sha: str, src: Path, names: list[str]) -> None:
+    """The fill left a complete mirror: ref, listing, snapshot links to the right bytes."""
+    ref = mirror / "refs" / "main"
+    assert ref.is_file() and ref.read_text().strip() == sha, f"{ref}: not {sha}"
+    assert (mirror / "trees" / f"{sha}.json").is_file(), f"no listing for {sha} in {mirror}"
+    snapshot = mirror / "snapshots" / sha
+    for name in names:
+        assert (snapshot / name).is_symlink(), f"{snapshot / name} is not a snapshot link"
+        assert filecmp.cmp(src / name, snapshot / name, shallow=False), f"{name} differs"
+
+
+def spread(values: list[int]) -> str:
+    return str(values[0]) if min(values) == max(values) else f"{min(values)}-{max(values)}"
+
+
+def table(results: dict[str, list[dict]], total: int) -> str:
+    usable = {n: statistics.median(r["usable_s"] for r in results[n]) for n in NAMES}
+    speed = {n: total / MiB / usable[n] for n in NAMES}
+    lines = [
+        "| contender | call s (median) | usable s (median) | min-max (usable) | MiB/s (usable) "
+        "| x Hub download | x mirror as cache | Hub file requests | peak RSS |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for n in NAMES:
+        runs = results[n]
+        times = [r["usable_s"] for r in runs]
+        lines.append(
+            f"| {n} | {statistics.median(r['call_s'] for r in runs):.2f} | {usable[n]:.2f} | "
+            f"{min(times):.2f}-{max(times):.2f} | {speed[n]:.0f} | "
+            f"{speed[n] / speed[HUB]:.2f} | {speed[n] / speed[MOUNT]:.2f} | "
+            f"{spread([r['file_requests'] for r in runs])} | "
+            f"{max(r['rss'] for r in runs) / MiB:.0f} MiB |"
+        )
+    return "\n".join(lines)
+
+
+def bench(args: argparse.Namespace) -> None:
+    sys.path.insert(0, str(HERE))
+    sys.path.insert(0, str(ROOT))
+    from common import run_timed
+    from hydrate_bench import PROFILE, ram_dir
+
+    from loaderplug.testing.model import write_model
+    from loaderplug.testing.volume import fuse_unavailable_reason, mounted
+    from tests.hubserver import HubServer
+
+    reason = fuse_unavailable_reason()
+    if not Path("/usr/bin/time").exists():
+        reason = "GNU time is missing (apt-get install time)"
+    try:
+        import huggingface_hub  # noqa: F401
+    except ImportError:
+        reason = "huggingface_hub is missing (pip install -e '.[hf]')"
+    if reason:
+        raise SystemExit(f"this benchmark needs the FUSE test volume and the Hub client: {reason}")
+    size = 256 * MiB if args.quick else 1 << 30
+    rounds = 1 if args.quick else args.rounds
+    # The children get exactly the settings below, none inherited from this shell.
+    for name in list(os.environ):
+        if name.startswith(("HF_", "HUGGING_FACE_", "LOADERPLUG_")) or name in (
+            "TRANSFORMERS_OFFLINE",
+            "TRANSFORMERS_CACHE",
+        ):
+            del os.environ[name]
+    results: dict[str, list[dict]] = {n: [] for n in NAMES}
+    with (
+        tempfile.TemporaryDirectory(prefix="hub-bench-", dir="/var/tmp") as tmp,
+        tempfile.TemporaryDirectory(prefix="hub-bench-", dir=ram_dir()) as ram,
+        HubServer() as server,
+    ):
+        work = Path(tmp)
+        src = work / "src"
+        write_model(src, size, 4)
+        names = sorted(p.name for p in src.iterdir())
+        sha = server.add_repo(REPO, {n: (src / n).read_bytes() for n in names})
+        total = sum((src / n).stat().st_size for n in names)
+        home = work / "hf_home"
+        env = {
+            "HF_ENDPOINT": server.endpoint,
+            "HF_HUB_DISABLE_XET": "1",
+            "HF_HUB_DISABLE_TELEMETRY": "1",
+            "HF_HUB_DISABLE_IMPLICIT_TOKEN": "1",
+            "HF_HOME": str(home),
+            "HF_HUB_CACHE": str(home / "hub"),
+            "NO_PROXY": "127.0.0.1,localhost",
+            "LOADERPLUG_PROGRESS": "0",
+        }
+        script = [sys.executable, __file__, "--child"]
+
+        def run(name: str, cache: Path | None, extra: dict[str, str]) -> dict:
+            if cache is not None:
+                shutil.rmtree(cache, ignore_errors=True)
+                cache.mkdir(parents=True)
+            subprocess.run(["sync"], check=True)
+            seen, seen_files = len(server.requests), server.file_requests()
+            _s, rss, out = run_timed([*script, name, REPO, str(cache or "")], {**env, **extra})
+            figures = json.loads(out.strip().splitlines()[-1])
+            figures["rss"] = rss
+            figures["requests"] = len(server.requests) - seen
+            figures["file_requests"] = server.file_requests() - seen_files
+            assert figures["bytes"] == total and figures["files"] == len(names), figures
+            return figures
+
+        # Fill the mirror once, straight into the volume's backing folder (no throttle).
+        backing = Path(ram) / "backing"
+        backing.mkdir()
+        fill = run(LOADERPLUG, work / "fill-cache", {"LOADERPLUG_VOLUME": str(backing)})
+        assert fill["file_requests"] > 0, f"the fill did not download: {fill}"
+        shutil.rmtree(work / "fill-cache")
+        check_mirror(backing / "hub" / "models--bench-org--bench-model", sha, src, names)
+        print(f"  mirror filled: {fill['call_s']:.2f} s (download + copy to the mirror)")
+
+        mnt = work / "mnt"
+        mnt.mkdir()
+        contenders: dict[str, tuple[Path | None, dict[str, str], Path]] = {
+            HUB: (work / "cache-hub", {}, work / "cache-hub"),
+            LOADERPLUG: (work / "cache-lp", {"LOADERPLUG_VOLUME": str(mnt)}, work / "cache-lp"),
+            MOUNT: (None, {"HF_HUB_CACHE": str(mnt / "hub"), "HF_HUB_OFFLINE": "1"}, mnt),
+        }
+        with mounted(backing, mnt, PROFILE):
+            for round_ in range(rounds):
+                for name in NAMES[round_ % 3 :] + NAMES[: round_ % 3]:
+                    cache, extra, inside = contenders[name]
+                    figures = run(name, cache, extra)
+                    if name != HUB and figures["requests"]:
+                        raise SystemExit(
+                            f"{name} sent {figures['requests']} request(s) to the Hub server: "
+                            f"{server.requests[-figures['requests'] :][:8]}"
+                        )
+                    path = Path(figures["path"])
+                    where = Path(os.path.realpath(path))
+                    assert where.is_relative_to(os.path.realpath(inside)), f"{name}: {path}"
+                    if cache is not None and round_ == 0:
+                        assert all(filecmp.cmp(src / n, path / n, shallow=False) for n in names), (
+                            f"{name}: the snapshot differs from the repo"
+                        )
+                    results[name].append(figures)
+                    print(
+                        f"  round {round_ + 1}: {name:36s} call {figures['call_s']:6.2f} s"
+                        f"  usable {figures['usable_s']:6.2f} s",
+                        flush=True,
+                    )
+    text = table(results, total)
+    header = (
+        f"# Hugging Face hub benchmark\n\n{total / MiB:.0f} MiB repo (4 safetensors shards, "
+        f"config.json, index) on the local Hub server (tests/hubserver.py, plain HTTP on "
+        f"loopback); mirror (filled once beforehand by loaderplug's snapshot_download) on "
+        f"the FUSE test volume over a memory-backed folder, 40 MiB/s per stream, 320 MiB/s "
+        f"per mount, 2 ms per request, direct_io; local caches on local disk, empty at the "
+        f"start of each run. Worker 1: `huggingface_hub.snapshot_download` from the server. "
+        f"Worker 2: loaderplug's `snapshot_download` with `LOADERPLUG_VOLUME` on the mount. "
+        f"Mirror as cache: `huggingface_hub.snapshot_download` with `HF_HUB_CACHE` on the "
+        f"mount and `HF_HUB_OFFLINE=1`. {rounds} round(s), alternating; wall time inside "
+        f"each process (imports excluded): call s is the snapshot_download call, usable s "
+        f"adds one sequential read of every file of the returned snapshot in 16 MiB blocks. "
+        f"x columns: usable MiB/s over that contender's. Hub file requests: HEAD and GET "
+        f"to `/resolve/` per run. Command: "
+        f"`python benchmarks/hub_bench.py{' --quick' if args.quick else ''}`.\n\n"
+    )
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "hub.md").write_text(header + text + "\n")
+    raw = {
+        "repo": REPO,
+        "commit": sha,
+        "bytes": total,
+        "files": len(names),
+        "rounds": rounds,
+        "profile": {
+            "per_stream_bytes_per_s": PROFILE.per_stream_bytes_per_s,
+            "mount_bytes_per_s": PROFILE.mount_bytes_per_s,
+            "latency_s": PROFILE.latency_s,
+        },
+        "fill": fill,
+        "results": results,
+    }
+    (args.out / "hub.json").write_text(json.dumps(raw, indent=1))
+    print(text)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="256 MiB repo, one round")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
+    parser.add_argument("--out", type=Path, default=HERE / "results")
+    args = parser.parse_args()
+    if args.child:
+        print(json.dumps(child(*args.child)))
+        return
+    bench(args)
+
+
+if __name__ == "__main__":
+    main()
