@@ -1,0 +1,297 @@
+"""How to run vLLM (CPU build) on the tiny Llama quickly, in this process or as a server.
+
+Not a test: a script that writes the tiny model to a temporary folder, builds ``LLM``
+twice in one process (two load formats would be compared the same way), generates
+greedily with each, and prints the timings. ``--server`` also starts the OpenAI server
+as a subprocess and asks it for one completion.
+
+    python -m tests.helpers.vllm_runner [--server] [--load-format safetensors]
+    python -m tests.helpers.vllm_runner --cases '[{"model": DIR, "load_format": F}]'
+
+With ``--cases`` it builds ``LLM`` for each case in turn and prints the generations (or
+the error) as JSON on a line starting with ``RESULT``; tests/test_vllm.py drives it.
+
+The recipe, in short:
+
+* Before vLLM is imported: ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` (engine and worker in
+  this process), ``HF_HUB_OFFLINE=1``, and ``VLLM_CONFIGURE_LOGGING=0`` where the
+  caller wants vLLM's records through the root logger (pytest's ``caplog``).
+  Otherwise vLLM gives its ``vllm`` logger a stdout handler of its own,
+  ``propagate=False``, and its ``dictConfig`` strips handlers that were put on
+  ``vllm.*`` loggers before ``LLM()`` ran.
+* ``LLM(**LLM_KWARGS)``: ``enforce_eager=True`` (without it the CPU backend compiles
+  with Inductor, 50 s), a KV cache of 16 MiB in bytes (the default takes
+  ``gpu_memory_utilization`` = 0.92 of the RAM, less what the process uses, and fails
+  when less is free; ``VLLM_CPU_KVCACHE_SPACE``, whole GiB, overrides the argument
+  when set), and one sequence.
+* ``gc.freeze()`` just before ``LLM()``. vLLM calls ``gc.collect()`` several times
+  while it starts, and each call walks every object of torch, transformers and vLLM;
+  freezing them first takes 1.5-2.5 s off each ``LLM()``. vLLM freezes the heap itself
+  at the end of start-up, and the shutdown below undoes both.
+* Closing: ``llm.llm_engine.engine_core.shutdown()``, then ``del llm`` and
+  ``gc.collect()``. The shutdown unfreezes the heap and destroys the
+  torch.distributed group, so the next ``LLM()`` starts clean.
+* ``LLM()`` changes the process: ``torch.set_num_threads`` becomes a no-op that warns
+  (for good), the global seeds (random, numpy, torch) are reset to ``seed``, and
+  ``os.environ`` gains ``LD_PRELOAD`` (torch's libgomp), ``VLLM_WORKER_MULTIPROC_METHOD``
+  and a few others that every later subprocess inherits. :func:`vllm_process_state`
+  puts all of that back.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import logging
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+# Must be set before vLLM is imported (its envs are read lazily, but some at import).
+VLLM_ENV = {
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "VLLM_CONFIGURE_LOGGING": "0",
+}
+
+LLM_KWARGS: dict[str, Any] = {
+    "dtype": "float32",
+    "enforce_eager": True,
+    "max_model_len": 256,
+    "max_num_seqs": 1,
+    "max_num_batched_tokens": 256,
+    "kv_cache_memory_bytes": 16 << 20,
+    "seed": 0,
+}
+
+PROMPT = "hello world"
+RESULT_PREFIX = "RESULT "  # the line of --cases output that holds the results
+MAX_TOKENS = 8
+
+# The same settings for `python -m vllm.entrypoints.openai.api_server` (the `vllm`
+# console script fails in this environment).
+SERVER_ARGS = [
+    "--dtype", "float32",
+    "--enforce-eager",
+    "--max-model-len", "256",
+    "--max-num-seqs", "1",
+    "--max-num-batched-tokens", "256",
+    "--kv-cache-memory-bytes", str(16 << 20),
+    "--uvicorn-log-level", "warning",
+]  # fmt: skip
+
+
+class WeightLog(logging.Handler):
+    """Collects vLLM's "Loading weights took" lines (vLLM logs them once per load)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.getMessage()
+        if message.startswith("Loading weights took"):
+            self.lines.append(f"{record.name}: {message}")
+
+
+@contextmanager
+def vllm_process_state() -> Iterator[None]:
+    """Undo what ``LLM()`` changes in the calling process (see the module notes)."""
+    import random
+
+    import numpy
+    import torch
+
+    environ = dict(os.environ)
+    set_num_threads = torch.set_num_threads
+    threads = torch.get_num_threads()
+    rng = (random.getstate(), numpy.random.get_state(), torch.random.get_rng_state())
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(environ)
+        torch.set_num_threads = set_num_threads
+        torch.set_num_threads(threads)
+        random.setstate(rng[0])
+        numpy.random.set_state(rng[1])
+        torch.random.set_rng_state(rng[2])
+
+
+def generate(folder: Path, load_format: str, **extra: Any) -> dict[str, Any]:
+    """Build ``LLM`` for ``folder``, generate greedily once, shut it down; timings in s."""
+    from vllm import LLM, SamplingParams
+
+    started = time.perf_counter()
+    gc.freeze()
+    llm = LLM(model=str(folder), load_format=load_format, **LLM_KWARGS, **extra)
+    built = time.perf_counter()
+    try:
+        params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+        (output,) = llm.generate([PROMPT], params, use_tqdm=False)
+        generated = time.perf_counter()
+        completion = output.outputs[0]
+        return {
+            "text": completion.text,
+            "token_ids": list(completion.token_ids),
+            "init_s": round(built - started, 2),
+            "generate_s": round(generated - built, 2),
+        }
+    finally:
+        closing = time.perf_counter()
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+        gc.collect()
+        print(f"  shutdown took {time.perf_counter() - closing:.2f} s")
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+        return port
+
+
+def serve_once(folder: Path, load_format: str, log_path: Path) -> dict[str, Any]:
+    """Start the OpenAI server, wait for ``/health``, ask for one completion, stop it."""
+    port = free_port()
+    command = [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+        "--model", str(folder), "--served-model-name", "tiny",
+        "--host", "127.0.0.1", "--port", str(port),
+        "--load-format", load_format, *SERVER_ARGS,
+    ]  # fmt: skip
+    # In-process worker inside the engine-core process: 2 processes instead of 3.
+    env = dict(os.environ, **VLLM_ENV)
+    env.pop("VLLM_CONFIGURE_LOGGING")  # let the server log to its stdout
+    # A killed server leaves its torch.distributed store file, $TMPDIR/vllm_dist_<hex>.
+    env["TMPDIR"] = str(log_path.parent)
+    base = f"http://127.0.0.1:{port}"
+    started = time.perf_counter()
+    with open(log_path, "w") as log:
+        server = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        while True:
+            if server.poll() is not None:
+                raise RuntimeError(f"server exited with {server.returncode}; see {log_path}")
+            if time.perf_counter() - started > 300:
+                raise TimeoutError(f"server not healthy after 300 s; see {log_path}")
+            try:
+                with urllib.request.urlopen(base + "/health", timeout=2) as reply:
+                    if reply.status == 200:
+                        break
+            except OSError:
+                time.sleep(0.25)
+        ready = time.perf_counter()
+        body = {"model": "tiny", "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0}
+        request = urllib.request.Request(
+            base + "/v1/completions",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(request, timeout=120) as reply:
+            answer = json.load(reply)
+        answered = time.perf_counter()
+    finally:
+        server.terminate()  # SIGTERM: clean exit 0 within ~1 s
+        try:
+            server.wait(30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
+    weights = [line for line in log_path.read_text().splitlines() if "Loading weights" in line]
+    return {
+        "text": answer["choices"][0]["text"],
+        "ready_s": round(ready - started, 2),
+        "completion_s": round(answered - ready, 2),
+        "weights_log": weights,
+    }
+
+
+def run_cases(cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Build and query ``LLM`` for each case in turn; a failure is recorded, not raised."""
+    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+    results: list[dict[str, Any]] = []
+    with vllm_process_state():
+        for case in cases:
+            try:
+                result = generate(Path(case["model"]), case["load_format"], **case.get("llm", {}))
+            except Exception as exc:
+                results.append({"ok": False, "error": f"{type(exc).__name__}: {exc}"})
+                cleanup_dist_env_and_memory()  # a failed start leaves it initialised
+            else:
+                results.append({"ok": True, **result})
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--load-format", default="safetensors")
+    parser.add_argument("--server", action="store_true", help="also time the HTTP server")
+    parser.add_argument(
+        "--cases", help="a JSON list of {model, load_format, llm}: run them, print the results"
+    )
+    args = parser.parse_args()
+
+    os.environ.update(VLLM_ENV)
+    root = Path(__file__).resolve().parents[2]
+    if str(root) not in sys.path:
+        sys.path.insert(0, str(root))
+    if args.cases:
+        logging.basicConfig(level=logging.WARNING)
+        logging.getLogger("vllm").setLevel(logging.INFO)
+        print(RESULT_PREFIX + json.dumps(run_cases(json.loads(args.cases))))
+        return
+    from tests.helpers.tiny_llama import write_tiny_llama
+
+    # With VLLM_CONFIGURE_LOGGING=0 vLLM's records reach the root logger (as in caplog).
+    console = logging.StreamHandler()
+    console.setLevel(logging.WARNING)
+    console.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    weight_log = WeightLog()
+    logging.getLogger().addHandler(console)
+    logging.getLogger().addHandler(weight_log)
+    logging.getLogger("vllm").setLevel(logging.INFO)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp) / "tiny-llama"
+        started = time.perf_counter()
+        shards = write_tiny_llama(folder)
+        took = time.perf_counter() - started
+        print(f"model: {folder} ({len(shards)} shards, {took:.2f} s with torch's import)")
+
+        started = time.perf_counter()
+        import vllm
+
+        print(f"import vllm {vllm.__version__}: {time.perf_counter() - started:.2f} s")
+        results = []
+        with vllm_process_state():
+            for run in range(2):
+                result = generate(folder, args.load_format)
+                results.append(result)
+                print(f"run {run}: {json.dumps(result)}")
+        print("weights log:", *weight_log.lines, sep="\n  ")
+        if results[0]["token_ids"] != results[1]["token_ids"]:
+            raise SystemExit("the two runs generated different tokens")
+        print("both runs generated the same tokens")
+
+        if args.server:
+            served = serve_once(folder, args.load_format, Path(tmp) / "server.log")
+            print(f"server: {json.dumps(served)}")
+            if served["text"] != results[0]["text"]:
+                raise SystemExit("the server generated different text")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,161 @@
+"""vLLM on the CPU with ``--load-format volcache``, the tiny Llama on the FUSE test volume.
+
+vLLM runs in subprocesses (tests/helpers/vllm_runner.py): starting it changes the
+calling process (threads, seeds, environment), and each start imports it afresh.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from loaderplug.testing.volume import TestVolume, VolumeProfile, fuse_unavailable_reason, mounted
+
+pytestmark = [
+    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed"),
+    pytest.mark.skipif(
+        fuse_unavailable_reason() is not None, reason=f"FUSE: {fuse_unavailable_reason()}"
+    ),
+]
+REPO = Path(__file__).resolve().parent.parent
+MiB = 1 << 20
+
+
+@dataclass
+class Mirror:
+    volume: TestVolume
+    original: Path  # the model on local disk
+    on_mount: Path  # the same model, read through the throttled FUSE mount
+    root: Path  # a scratch folder for this module
+
+
+@pytest.fixture(scope="module")
+def mirror(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mirror]:
+    from tests.helpers.tiny_llama import write_tiny_llama
+
+    root = tmp_path_factory.mktemp("vllm")
+    write_tiny_llama(root / "backing" / "tiny-llama", shards=3)
+    profile = VolumeProfile(per_stream_bytes_per_s=16 * MiB, latency_s=0.001)
+    with mounted(root / "backing", root / "mnt", profile) as vol:
+        yield Mirror(vol, root / "backing" / "tiny-llama", root / "mnt" / "tiny-llama", root)
+
+
+def vllm_env(mirror: Mirror, local_dir: Path) -> dict[str, str]:
+    return {
+        "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+        "HOME": os.environ.get("HOME", str(mirror.root)),
+        "PYTHONPATH": str(REPO),
+        "TMPDIR": str(mirror.root),
+        "LOADERPLUG_LOCAL_DIR": str(local_dir),
+        "LOADERPLUG_PROGRESS": "0",
+    }
+
+
+def run_cases(mirror: Mirror, local_dir: Path, cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    from tests.helpers.vllm_runner import RESULT_PREFIX
+
+    done = subprocess.run(
+        [sys.executable, "-m", "tests.helpers.vllm_runner", "--cases", json.dumps(cases)],
+        cwd=REPO,
+        env=vllm_env(mirror, local_dir),
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    lines = [line for line in done.stdout.splitlines() if line.startswith(RESULT_PREFIX)]
+    assert done.returncode == 0 and lines, done.stdout[-3000:] + done.stderr[-5000:]
+    results: list[dict[str, Any]] = json.loads(lines[-1][len(RESULT_PREFIX) :])
+    return results
+
+
+def test_volcache_generates_what_safetensors_does_and_leaves_a_local_copy(
+    mirror: Mirror, tmp_path: Path
+) -> None:
+    local_dir = tmp_path / "local"
+    mirror.volume.reset_stats()
+    volcache, safetensors = run_cases(
+        mirror,
+        local_dir,
+        [
+            {"model": str(mirror.on_mount), "load_format": "volcache"},
+            {"model": str(mirror.original), "load_format": "safetensors"},
+        ],
+    )
+    assert volcache["ok"], volcache
+    assert safetensors["ok"], safetensors
+    assert volcache["token_ids"] == safetensors["token_ids"]
+    assert volcache["text"] == safetensors["text"]
+    (copy,) = local_dir.iterdir()
+    shards = sorted(mirror.original.glob("*.safetensors"))
+    assert sorted(p.name for p in copy.glob("*.safetensors")) == [p.name for p in shards]
+    for shard in shards:
+        assert (copy / shard.name).read_bytes() == shard.read_bytes()
+    # Each weight byte came off the volume once (plus headers and the small files).
+    weight_bytes = sum(p.stat().st_size for p in shards)
+    assert mirror.volume.stats()["bytes_read"] < 2 * weight_bytes
+
+
+def test_the_openai_server_answers_with_volcache(mirror: Mirror, tmp_path: Path) -> None:
+    from tests.helpers import vllm_runner
+
+    env_before = dict(os.environ)
+    os.environ.update(vllm_env(mirror, tmp_path / "local"))
+    try:
+        served = vllm_runner.serve_once(mirror.on_mount, "volcache", tmp_path / "server.log")
+    finally:
+        os.environ.clear()
+        os.environ.update(env_before)
+    assert served["text"].strip(), served
+    assert any("Loading weights took" in line for line in served["weights_log"]), served
+    assert any((tmp_path / "local").iterdir())
+
+
+def broken_copy(mirror: Mirror, tmp_path: Path, name: str) -> Path:
+    folder = tmp_path / name
+    folder.mkdir()
+    for item in mirror.original.iterdir():
+        (folder / item.name).write_bytes(item.read_bytes())
+    return folder
+
+
+def test_bad_input_fails_with_a_clear_message(mirror: Mirror, tmp_path: Path) -> None:
+    missing = broken_copy(mirror, tmp_path, "missing")
+    (missing / "model-00002-of-00003.safetensors").unlink()
+    corrupt = broken_copy(mirror, tmp_path, "corrupt")
+    shard = corrupt / "model-00003-of-00003.safetensors"
+    shard.write_bytes((2**40).to_bytes(8, "little") + shard.read_bytes()[8:])
+    results = run_cases(
+        mirror,
+        tmp_path / "local",
+        [
+            {"model": str(missing), "load_format": "volcache"},
+            {"model": str(corrupt), "load_format": "volcache"},
+            {
+                "model": str(mirror.original),
+                "load_format": "volcache",
+                "llm": {"model_loader_extra_config": {"workerz": 4}},
+            },
+            {
+                "model": str(mirror.original),
+                "load_format": "volcache",
+                "llm": {"model_loader_extra_config": {"chunk_bytes": "huge"}},
+            },
+        ],
+    )
+    assert not any(r["ok"] for r in results), results
+    missing_error, corrupt_error, key_error, value_error = (r["error"] for r in results)
+    assert "missing: model-00002-of-00003.safetensors" in missing_error
+    assert "model-00003-of-00003.safetensors" in corrupt_error
+    assert "header" in corrupt_error
+    assert "unknown --model-loader-extra-config key(s) 'workerz'" in key_error
+    assert "valid keys: bytes_in_flight, chunk_bytes, direct_io" in key_error
+    assert "chunk_bytes='huge' is invalid" in value_error
