@@ -309,3 +309,19 @@ def test_the_example_worker_fills_then_uses_the_mirror(
             assert hub.file_requests() > 0
             hub.reset_counts()
     assert hub.requests == []  # the second worker, in a process of its own
+
+
+def test_transformers_finds_the_hydrated_snapshot_offline(
+    hub: HubServer, tmp_path: Path, volume: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    transformers = pytest.importorskip("transformers")
+    hub.add_repo(REPO, FILES)
+    worker_one(hub, tmp_path)
+    cache2 = tmp_path / "cache2"
+    lp_hub.snapshot_download(REPO, cache_dir=cache2)
+    hub.reset_counts()
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    config = transformers.AutoConfig.from_pretrained(REPO, cache_dir=cache2)
+    assert config.model_type == "llama"
+    assert hub.requests == []

@@ -171,16 +171,23 @@ def vocabulary() -> dict[str, int]:
     return {token: i for i, token in enumerate(tokens)}
 
 
-def _config(vocab_size: int) -> Any:
+def _config(
+    vocab_size: int,
+    hidden_size: int = HIDDEN,
+    num_layers: int = LAYERS,
+    intermediate_size: int = INTERMEDIATE,
+) -> Any:
     from transformers import LlamaConfig
 
+    # Heads of HEAD_DIM each, as many key/value heads as query heads (2 and 2 by default).
+    heads = hidden_size // HEAD_DIM
     return LlamaConfig(
         vocab_size=vocab_size,
-        hidden_size=HIDDEN,
-        intermediate_size=INTERMEDIATE,
-        num_hidden_layers=LAYERS,
-        num_attention_heads=HEADS,
-        num_key_value_heads=KV_HEADS,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
         head_dim=HEAD_DIM,
         max_position_embeddings=MAX_POSITIONS,
         initializer_range=INIT_STD,
@@ -235,20 +242,33 @@ def _tokenizer(vocab: dict[str, int]) -> Any:
     )
 
 
-def write_tiny_llama(folder: Path, *, shards: int = 3, seed: int = 0) -> list[Path]:
+def write_tiny_llama(
+    folder: Path,
+    *,
+    shards: int = 3,
+    seed: int = 0,
+    hidden_size: int = HIDDEN,
+    num_layers: int = LAYERS,
+    intermediate_size: int = INTERMEDIATE,
+) -> list[Path]:
     """Write a tiny random ``LlamaForCausalLM`` into ``folder``; return its shard paths.
 
-    The weights (about 1.4 MB of float32) are split over ``shards`` safetensors files of
-    roughly equal size, named as ``save_pretrained`` names them, with the index beside.
+    The weights (about 1.4 MB of float32 with the default sizes) are split over ``shards``
+    safetensors files of roughly equal size, named as ``save_pretrained`` names them, with
+    the index beside. ``hidden_size`` (a multiple of 64: heads of 64), ``num_layers`` and
+    ``intermediate_size`` make a bigger model of the same kind (benchmarks/vllm_bench.py:
+    1024, 16 and 4096 give about 1 GiB); the defaults write the tiny model, byte for byte.
     """
     from safetensors.torch import save_file
     from transformers import GenerationConfig
 
     if shards < 1:
         raise ValueError("shards must be at least 1")
+    if hidden_size < HEAD_DIM or hidden_size % HEAD_DIM:
+        raise ValueError(f"hidden_size must be a positive multiple of {HEAD_DIM}")
     folder.mkdir(parents=True, exist_ok=True)
     vocab = vocabulary()
-    config = _config(len(vocab))
+    config = _config(len(vocab), hidden_size, num_layers, intermediate_size)
     weights = _weights(config, seed)
     names = sorted(weights)
     if shards > len(names):

