@@ -127,9 +127,24 @@ def broken_copy(mirror: Mirror, tmp_path: Path, name: str) -> Path:
     return folder
 
 
+def drop_tensor(folder: Path, name: str) -> None:
+    """Remove one tensor from the shard holding it, and from the index."""
+    from safetensors.torch import load_file, save_file
+
+    index_path = folder / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    shard = folder / index["weight_map"].pop(name)
+    tensors = load_file(str(shard))
+    del tensors[name]
+    save_file(tensors, str(shard), metadata={"format": "pt"})
+    index_path.write_text(json.dumps(index))
+
+
 def test_bad_input_fails_with_a_clear_message(mirror: Mirror, tmp_path: Path) -> None:
     missing = broken_copy(mirror, tmp_path, "missing")
     (missing / "model-00002-of-00003.safetensors").unlink()
+    incomplete = broken_copy(mirror, tmp_path, "incomplete")
+    drop_tensor(incomplete, "model.norm.weight")
     corrupt = broken_copy(mirror, tmp_path, "corrupt")
     shard = corrupt / "model-00003-of-00003.safetensors"
     shard.write_bytes((2**40).to_bytes(8, "little") + shard.read_bytes()[8:])
@@ -138,6 +153,7 @@ def test_bad_input_fails_with_a_clear_message(mirror: Mirror, tmp_path: Path) ->
         tmp_path / "local",
         [
             {"model": str(missing), "load_format": "volcache"},
+            {"model": str(incomplete), "load_format": "volcache"},
             {"model": str(corrupt), "load_format": "volcache"},
             {
                 "model": str(mirror.original),
@@ -152,8 +168,11 @@ def test_bad_input_fails_with_a_clear_message(mirror: Mirror, tmp_path: Path) ->
         ],
     )
     assert not any(r["ok"] for r in results), results
-    missing_error, corrupt_error, key_error, value_error = (r["error"] for r in results)
+    missing_error, unloaded_error, corrupt_error, key_error, value_error = (
+        r["error"] for r in results
+    )
     assert "missing: model-00002-of-00003.safetensors" in missing_error
+    assert "not in the checkpoint: model.norm.weight" in unloaded_error
     assert "model-00003-of-00003.safetensors" in corrupt_error
     assert "header" in corrupt_error
     assert "unknown --model-loader-extra-config key(s) 'workerz'" in key_error
