@@ -9,7 +9,8 @@ vLLM runs :func:`register` (the ``vllm.general_plugins`` entry point) in every p
 possibly more than once, before it parses the command line; it imports only what
 registering needs and never touches CUDA. Where a mirror is configured it also routes
 ``huggingface_hub.snapshot_download`` through loaderplug (see
-:mod:`loaderplug.integrations.huggingface_hub`).
+:mod:`loaderplug.integrations.huggingface_hub`), and makes ``--load-format
+fastsafetensors`` hydrate before it loads (see :mod:`loaderplug.integrations.fastsafetensors`).
 
 ``--model-loader-extra-config`` takes the keys of :data:`EXTRA_CONFIG`; they override
 the ``LOADERPLUG_*`` variables. Logs go to the ``vllm`` logger, so they show in every
@@ -61,7 +62,7 @@ def register() -> None:
 
     register_model_loader(LOAD_FORMAT)(_loader_class())
     _route_logs_to_vllm()
-    _install_hub_hook()
+    _install_mirror_hooks()
     _registered = True
 
 
@@ -158,11 +159,20 @@ def _route_logs_to_vllm() -> None:
         ours.addHandler(_ToVllm())
 
 
-def _install_hub_hook() -> None:
+def _install_mirror_hooks() -> None:
+    """With a mirror configured, Hub downloads and vLLM's fastsafetensors load format go
+    through loaderplug too (each only where its library is installed)."""
     if not from_env().volume:
         return
     try:
         from . import huggingface_hub
     except ImportError:
+        pass
+    else:
+        huggingface_hub.install()
+    try:
+        from . import fastsafetensors
+    except ImportError:
         return
-    huggingface_hub.install()
+    fastsafetensors.install()
+    fastsafetensors.hydrate_before_vllm_load()

@@ -31,13 +31,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from loaderplug.errors import LoaderplugError
+from loaderplug.errors import LoaderplugError, TransferFailed
 from loaderplug.fs import is_network_type
 from loaderplug.lock import locked
 from loaderplug.plugins import first_result, plugin_manager
 from loaderplug.reader import iter_tensors
 from loaderplug.settings import Settings
-from loaderplug.volume import MirrorRequest
+from loaderplug.volume import MirrorRequest, select
 
 if TYPE_CHECKING:
     import torch
@@ -86,8 +86,8 @@ def plan(model: str, revision: str | None, settings: Settings) -> WeightPlan:
     folder = Path(model).expanduser()
     if folder.is_dir():
         folder = folder.resolve()
-        mirrored = _is_mirror(folder, settings)
-        copy = _local_copy(folder, settings) if mirrored else None
+        mirrored = is_mirror(folder, settings)
+        copy = local_copy(folder, settings) if mirrored else None
         return WeightPlan(model, folder, weight_files(folder), copy)
     if not _REPO_ID.match(model):
         raise WeightsError(f"{model}: neither a folder nor a Hub repo id")
@@ -96,7 +96,7 @@ def plan(model: str, revision: str | None, settings: Settings) -> WeightPlan:
         return WeightPlan(model, cached, weight_files(cached), None)
     on_mirror = _on_mirror(model, revision, settings)
     if on_mirror is not None:
-        copy = _local_copy(on_mirror, settings, name=model.replace("/", "--"))
+        copy = local_copy(on_mirror, settings, name=model.replace("/", "--"))
         return WeightPlan(model, on_mirror, weight_files(on_mirror), copy)
     raise WeightsError(
         f"{model}: not in the local Hugging Face cache and not on the mirror "
@@ -106,6 +106,9 @@ def plan(model: str, revision: str | None, settings: Settings) -> WeightPlan:
 
 def stream(plan: WeightPlan, settings: Settings) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield every weight of ``plan`` as ``(name, tensor)``, owned, on the CPU."""
+    if settings.reader == "fastsafetensors":
+        yield from _through_fastsafetensors(plan, settings)
+        return
     if plan.local_copy is None:
         yield from iter_tensors(plan.files, settings=settings)
         return
@@ -119,7 +122,28 @@ def stream(plan: WeightPlan, settings: Settings) -> Iterator[tuple[str, torch.Te
             yield from iter_tensors(stale, local_dir=plan.local_copy, settings=settings)
 
 
-def _is_mirror(folder: Path, settings: Settings) -> bool:
+def hydrate_copy(folder: Path, names: list[str], copy: Path, settings: Settings) -> None:
+    """Hydrate ``names`` of ``folder`` into ``copy`` (a no-op for current files)."""
+    report = select("hydrate", folder, copy, {n: n for n in names}, {}, settings)
+    if not report.ok:
+        raise TransferFailed(report)
+
+
+def _through_fastsafetensors(
+    plan: WeightPlan, settings: Settings
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Hydrate first (two passes: fastsafetensors reads whole local files), then read
+    with fastsafetensors, for hosts where its GPUDirect Storage path pays off."""
+    from . import fastsafetensors
+
+    files = plan.files
+    if plan.local_copy is not None:
+        hydrate_copy(plan.folder, [f.name for f in files], plan.local_copy, settings)
+        files = [plan.local_copy / f.name for f in files]
+    yield from fastsafetensors.iter_tensors(files)
+
+
+def is_mirror(folder: Path, settings: Settings) -> bool:
     if settings.volume and folder.is_relative_to(Path(settings.volume).resolve()):
         return True
     pm = plugin_manager(settings.disable_plugins)
@@ -127,7 +151,7 @@ def _is_mirror(folder: Path, settings: Settings) -> bool:
     return is_network_type(policy.fs_type)
 
 
-def _local_copy(folder: Path, settings: Settings, name: str = "") -> Path:
+def local_copy(folder: Path, settings: Settings, name: str = "") -> Path:
     # The model's name keeps the copy recognisable; a hash of the source's full path
     # keeps two models that share a name apart.
     digest = hashlib.sha256(str(folder).encode()).hexdigest()[:12]

@@ -155,6 +155,14 @@ REGISTRY: tuple[Variable, ...] = (
         choices=("auto", "on", "off"),
     ),
     Variable(
+        "reader",
+        "choice",
+        "loaderplug",
+        "What volcache reads weights with: loaderplug (one pass) or fastsafetensors "
+        "(hydrate, then fastsafetensors; for hosts with GPUDirect Storage).",
+        choices=("loaderplug", "fastsafetensors"),
+    ),
+    Variable(
         "sync",
         "bool",
         True,
@@ -197,6 +205,7 @@ class Settings:
     volume: str | None = None
     local_dir: str | None = None
     direct_io: str = "auto"
+    reader: str = "loaderplug"
     sync: bool = True
     sources: Mapping[str, Source] = field(default_factory=dict, compare=False, repr=False)
 

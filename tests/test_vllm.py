@@ -60,13 +60,15 @@ def vllm_env(mirror: Mirror, local_dir: Path) -> dict[str, str]:
     }
 
 
-def run_cases(mirror: Mirror, local_dir: Path, cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def run_cases(
+    mirror: Mirror, local_dir: Path, cases: list[dict[str, Any]], **env: str
+) -> list[dict[str, Any]]:
     from tests.helpers.vllm_runner import RESULT_PREFIX
 
     done = subprocess.run(
         [sys.executable, "-m", "tests.helpers.vllm_runner", "--cases", json.dumps(cases)],
         cwd=REPO,
-        env=vllm_env(mirror, local_dir),
+        env={**vllm_env(mirror, local_dir), **env},
         capture_output=True,
         text=True,
         timeout=900,
@@ -102,6 +104,26 @@ def test_volcache_generates_what_safetensors_does_and_leaves_a_local_copy(
     # Each weight byte came off the volume once (plus headers and the small files).
     weight_bytes = sum(p.stat().st_size for p in shards)
     assert mirror.volume.stats()["bytes_read"] < 2 * weight_bytes
+
+
+def test_volcache_reading_through_fastsafetensors_generates_the_same(
+    mirror: Mirror, tmp_path: Path
+) -> None:
+    pytest.importorskip("fastsafetensors")
+    local_dir = tmp_path / "local"
+    through_fst, safetensors = run_cases(
+        mirror,
+        local_dir,
+        [
+            {"model": str(mirror.on_mount), "load_format": "volcache"},
+            {"model": str(mirror.original), "load_format": "safetensors"},
+        ],
+        LOADERPLUG_READER="fastsafetensors",
+    )
+    assert through_fst["ok"] and safetensors["ok"], (through_fst, safetensors)
+    assert through_fst["token_ids"] == safetensors["token_ids"]
+    (copy,) = local_dir.iterdir()
+    assert len(list(copy.glob("*.safetensors"))) == 3
 
 
 def test_the_openai_server_answers_with_volcache(mirror: Mirror, tmp_path: Path) -> None:
