@@ -158,3 +158,21 @@ def test_vllms_fastsafetensors_load_format_hydrates_first(
     (handed,) = seen
     (copy,) = (tmp_path / "copies").iterdir()
     assert handed == [str(copy / Path(f).name) for f in files]
+
+
+@needs_fuse
+def test_the_example_script_reads_a_mirror_through_loaderplug(
+    fuse_mirror: TestVolume, tmp_path: Path
+) -> None:
+    import subprocess
+    import sys
+
+    script = Path(__file__).resolve().parent.parent / "examples" / "fastsafetensors_user.py"
+    files = sorted(str(p) for p in fuse_mirror.mountpoint.glob("*.safetensors"))
+    done = subprocess.run(
+        [sys.executable, str(script), *files], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("21 tensors")
+    (copy,) = (tmp_path / "copies").iterdir()
+    assert len(list(copy.glob("*.safetensors"))) == 3
