@@ -31,6 +31,18 @@ def run_timed(cmd: list[str], env: dict[str, str] | None = None) -> tuple[float,
     return elapsed, int(done.stderr.strip().splitlines()[-1]) * 1024, done.stdout
 
 
+def drop_cache(files: Sequence[str | os.PathLike[str]]) -> None:
+    """Drop the files from the page cache, so the next read comes from the disk.
+    Dirty pages cannot be dropped: each file is fsync'd first."""
+    for f in files:
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
 def run_parallel(items: Sequence[T], workers: int, work: Callable[[T], None]) -> None:
     """Call ``work`` on every item from ``workers`` threads, in order of the list."""
     pending = list(reversed(items))

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import statistics
 import subprocess
@@ -31,7 +30,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import run_timed
+from common import drop_cache, run_timed
 from hydrate_bench import PROFILE, ram_dir
 
 MiB = 1 << 20
@@ -56,16 +55,6 @@ def child(name: str, files: list[str]) -> dict[str, float]:
             if tensor.numel():
                 total += int(tensor.reshape(-1).view(torch.uint8)[::4096].sum())
     return {"total_s": time.perf_counter() - started}
-
-
-def drop_cache(files: list[Path]) -> None:
-    for f in files:
-        fd = os.open(f, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
 
 
 def measure(name: str, files: list[Path], env: dict[str, str]) -> dict[str, float]:

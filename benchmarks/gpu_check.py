@@ -22,14 +22,9 @@ import tempfile
 import time
 from pathlib import Path
 
+from common import drop_cache  # benchmarks/ is on sys.path when this runs as a script
+
 MiB = 1 << 20
-
-
-def drop(files: list[str]) -> None:
-    for f in files:
-        fd = os.open(f, os.O_RDONLY)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        os.close(fd)
 
 
 def main() -> int:
@@ -76,7 +71,7 @@ def main() -> int:
         for state in ("cold", "warm"):
             for name, load in loaders.items():
                 if state == "cold":
-                    drop(files)
+                    drop_cache(files)
                 torch.cuda.synchronize()
                 started = time.perf_counter()
                 tensors, first = load()

@@ -128,7 +128,7 @@ def bench(args: argparse.Namespace) -> None:
 
     from loaderplug.testing.model import write_model
     from loaderplug.testing.volume import fuse_unavailable_reason, mounted
-    from tests.hubserver import HubServer
+    from tests.hubserver import HubServer, client_env
 
     reason = fuse_unavailable_reason()
     if not Path("/usr/bin/time").exists():
@@ -161,16 +161,7 @@ def bench(args: argparse.Namespace) -> None:
         sha = server.add_repo(REPO, {n: (src / n).read_bytes() for n in names})
         total = sum((src / n).stat().st_size for n in names)
         home = work / "hf_home"
-        env = {
-            "HF_ENDPOINT": server.endpoint,
-            "HF_HUB_DISABLE_XET": "1",
-            "HF_HUB_DISABLE_TELEMETRY": "1",
-            "HF_HUB_DISABLE_IMPLICIT_TOKEN": "1",
-            "HF_HOME": str(home),
-            "HF_HUB_CACHE": str(home / "hub"),
-            "NO_PROXY": "127.0.0.1,localhost",
-            "LOADERPLUG_PROGRESS": "0",
-        }
+        env = {**client_env(server.endpoint, home), "LOADERPLUG_PROGRESS": "0"}
         script = [sys.executable, __file__, "--child"]
 
         def run(name: str, cache: Path | None, extra: dict[str, str]) -> dict:

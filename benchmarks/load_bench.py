@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import run_parallel, run_timed
+from common import drop_cache, run_parallel, run_timed
 
 MiB = 1 << 20
 HERE = Path(__file__).resolve().parent
@@ -93,16 +93,6 @@ def probe(files: list[str], workers: int = 8, chunk: int = 16 * MiB) -> object:
 
     run_parallel(spans, workers, read)
     return torch.frombuffer(buffer, dtype=torch.uint8)
-
-
-def drop_cache(files: list[str]) -> None:
-    for f in files:
-        fd = os.open(f, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
 
 
 def warm_cache(files: list[str]) -> None:

@@ -55,6 +55,16 @@ def model(tmp_path: Path) -> Path:
     return folder
 
 
+def drop_from_page_cache(path: str | os.PathLike[str]) -> None:
+    """Make the next read of ``path`` come from the disk (as a cold start would)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)  # dirty pages cannot be dropped
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
 def tree_bytes(root: Path) -> dict[str, bytes]:
     """Every regular file under root (symlinks excluded), by relative path."""
     return {

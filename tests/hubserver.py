@@ -52,6 +52,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from types import TracebackType
 from typing import Any, cast
 from urllib.parse import parse_qs, unquote, urlsplit
@@ -452,6 +453,20 @@ class HubServer:
         return 206, headers, f.data[start:stop]
 
 
+def client_env(endpoint: str, home: Path) -> dict[str, str]:
+    """The environment that points a fresh huggingface_hub client at ``endpoint``, with
+    ``home`` as its private HF_HOME: plain HTTP (no Xet), no telemetry, no token."""
+    return {
+        "HF_ENDPOINT": endpoint,
+        "HF_HUB_DISABLE_XET": "1",
+        "HF_HUB_DISABLE_TELEMETRY": "1",
+        "HF_HUB_DISABLE_IMPLICIT_TOKEN": "1",
+        "HF_HOME": str(home),
+        "HF_HUB_CACHE": str(home / "hub"),
+        "NO_PROXY": "127.0.0.1,localhost",
+    }
+
+
 @pytest.fixture
 def hub(
     monkeypatch: pytest.MonkeyPatch, tmp_path_factory: pytest.TempPathFactory
@@ -470,16 +485,7 @@ def hub(
 
     home = tmp_path_factory.mktemp("hf_home")
     with HubServer() as server:
-        environ = {
-            "HF_ENDPOINT": server.endpoint,
-            "HF_HUB_DISABLE_XET": "1",
-            "HF_HUB_DISABLE_TELEMETRY": "1",
-            "HF_HUB_DISABLE_IMPLICIT_TOKEN": "1",
-            "HF_HOME": str(home),
-            "HF_HUB_CACHE": str(home / "hub"),
-            "NO_PROXY": "127.0.0.1,localhost",
-        }
-        for name, value in environ.items():
+        for name, value in client_env(server.endpoint, home).items():
             monkeypatch.setenv(name, value)
         for name in (
             "HF_HUB_OFFLINE",

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,6 +19,7 @@ from loaderplug.testing.volume import (
     fuse_unavailable_reason,
     mounted,
 )
+from tests.conftest import drop_from_page_cache
 from tests.helpers.tensors import reference, same, write_shards
 
 needs_fuse = pytest.mark.skipif(
@@ -97,15 +97,6 @@ def test_fastsafetensors_is_told_loaderplugs_direct_or_buffered_choice(
     assert said[0].startswith(f"fastsafetensors reads {local[0]} direct")
     assert said[1].startswith(f"fastsafetensors reads {on_fuse[0]} buffered")
     assert "fuse" in said[1]
-
-
-def drop_from_page_cache(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)  # dirty pages cannot be dropped
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
 
 
 def test_install_and_uninstall_swap_the_registered_copier() -> None:

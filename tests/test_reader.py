@@ -18,6 +18,7 @@ from tests.conftest import FAST
 torch = pytest.importorskip("torch")
 safetensors_torch = pytest.importorskip("safetensors.torch")
 from loaderplug.reader import iter_tensors, load_file  # noqa: E402
+from tests.conftest import drop_from_page_cache  # noqa: E402
 from tests.helpers.tensors import STREAMED, reference, same  # noqa: E402
 
 
@@ -147,12 +148,7 @@ def test_a_file_in_the_page_cache_is_mapped_not_copied(shards: list[Path]) -> No
 
 
 def test_load_file_streams_a_cold_file_read_direct(shards: list[Path]) -> None:
-    import os
-
-    fd = os.open(shards[0], os.O_RDONLY)
-    os.fsync(fd)  # dirty pages cannot be dropped
-    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    os.close(fd)
+    drop_from_page_cache(shards[0])
     stats: dict[str, object] = {}
     got = dict(iter_tensors(shards[:1], stats=stats, progress=False))
     mode = stats["io"][str(shards[0])]  # type: ignore[index]
