@@ -1,4 +1,4 @@
-"""The ``loaderplug`` command: hydrate, sync and a self-contained demo.
+"""The ``loaderplug`` command: hydrate, sync, load, doctor, bench and a self-contained demo.
 
 Exit codes: 0 success, 1 some files failed, 2 bad usage or settings, 130 interrupted.
 """
@@ -62,6 +62,13 @@ def build_parser() -> argparse.ArgumentParser:
     load.add_argument("--from", dest="src", metavar="MIRROR", help="folder the files are in")
     load.add_argument("--to", dest="dst", metavar="DST", help="also hydrate the files here")
     load.add_argument("--json", action="store_true", help="print the figures as JSON")
+    bench = commands.add_parser(
+        "bench", help="measure the storage at PATH (read-only) and print the best setting"
+    )
+    bench.add_argument("path", metavar="PATH", help="a model folder or file on that storage")
+    bench.add_argument("--seconds", type=float, default=30.0, help="time budget (default 30)")
+    bench.add_argument("--max-bytes", default="4G", help="most bytes to read (default 4G)")
+    bench.add_argument("--json", action="store_true", help="print the figures as JSON")
     demo = commands.add_parser(
         "demo", help="hydrate a synthetic model from a throttled test volume"
     )
@@ -133,6 +140,18 @@ def _load(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench(args: argparse.Namespace) -> int:
+    from loaderplug.bench import run_bench
+    from loaderplug.settings import parse_size
+
+    if args.seconds <= 0:
+        raise SettingsError(f"--seconds={args.seconds} is invalid: expected a positive number")
+    max_bytes = parse_size(args.max_bytes, "--max-bytes")
+    result = run_bench(args.path, seconds=args.seconds, max_bytes=max_bytes)
+    print(json.dumps(result.to_dict(), indent=2) if args.json else result.summary())
+    return 0
+
+
 def _interrupt_on_sigterm() -> None:
     # A terminated hydrate cleans up like an interrupted one: temp files removed.
     def handler(signum: int, frame: FrameType | None) -> None:
@@ -152,6 +171,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 0
         if args.command == "load":
             return _load(args)
+        if args.command == "bench":
+            return _bench(args)
         if args.command == "demo":
             from loaderplug.demo import run_demo
 

@@ -283,6 +283,15 @@ def _parse_int(var: Variable, raw: object) -> int:
     raise _bad(var, raw)
 
 
+def parse_size(raw: str, name: str) -> int:
+    """A size such as ``64M`` or ``1GiB`` in bytes; a bad one is an error naming ``name``."""
+    match = _SIZE.match(raw)
+    if not match:
+        raise SettingsError(f"{name}={raw!r} is invalid: expected a size such as 64M or 1GiB")
+    number, unit = int(match.group(1)), match.group(2)
+    return number * _SCALE[unit.lower()] if unit else number
+
+
 def _parse_size(var: Variable, raw: object) -> int:
     if isinstance(raw, bool):
         raise _bad(var, raw)

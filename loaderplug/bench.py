@@ -1,0 +1,230 @@
+"""``loaderplug bench PATH``: measure the user's storage and say which setting to use.
+
+The best hydrate setting depends on the storage: a network volume wants a few large
+ranges per stream, an object-store mount more streams, and a busy host answers too
+many bytes in flight with ENOMEM. A short sweep finds out:
+
+* Every setting (workers x range size, within a bytes-in-flight cap) reads the files
+  under PATH for an equal slice of the time budget, with ``pread`` under the same IO
+  policy a hydrate uses, and its throughput is what it read over that time.
+* Each trial reads bytes no earlier trial read, so a page cache (local or a network
+  client's) cannot flatter a later setting; when PATH is smaller than the sweep, its
+  files are dropped from the local page cache before the cursor wraps around.
+* Read-only: files are opened for reading and nothing is written anywhere.
+* Bounded: the whole sweep stops at ``seconds`` or ``max_bytes``, whichever comes
+  first; a trial that sees transient errors (ENOMEM, EIO, EAGAIN) reports them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import pluggy
+
+from loaderplug.engine import TRANSIENT_ERRNOS
+from loaderplug.errors import LoaderplugError
+from loaderplug.fs import IOPolicy
+from loaderplug.plugins import first_result, plugin_manager
+from loaderplug.settings import GiB, MiB, Settings, format_size, from_env
+from loaderplug.source import Source, aligned_buffer
+
+# The sweep: (workers, range size). Few large ranges suit network volumes; many
+# streams suit per-stream-capped object stores. Bytes in flight stay at or under 1 GiB,
+# past which busy hosts answer with ENOMEM storms.
+GRID: tuple[tuple[int, int], ...] = (
+    (4, 64 * MiB),
+    (8, 64 * MiB),
+    (8, 16 * MiB),
+    (16, 32 * MiB),
+    (16, 16 * MiB),
+    (32, 16 * MiB),
+    (64, 8 * MiB),
+    (128, 4 * MiB),
+)
+
+
+@dataclasses.dataclass
+class Trial:
+    workers: int
+    chunk_bytes: int
+    bytes_read: int = 0
+    seconds: float = 0.0
+    transient_errors: int = 0
+
+    @property
+    def mib_per_s(self) -> float:
+        return self.bytes_read / MiB / self.seconds if self.seconds else 0.0
+
+    def exports(self) -> list[str]:
+        return [
+            f"export LOADERPLUG_HYDRATE_WORKERS={self.workers}",
+            f"export LOADERPLUG_CHUNK_BYTES={format_size(self.chunk_bytes).replace(' ', '')}",
+            f"export LOADERPLUG_BYTES_IN_FLIGHT="
+            f"{format_size(self.workers * self.chunk_bytes).replace(' ', '')}",
+        ]
+
+
+@dataclasses.dataclass
+class BenchResult:
+    path: str
+    policy: str
+    trials: list[Trial]
+
+    @property
+    def best(self) -> Trial:
+        # Errors are a warning sign even when retries would hide them: prefer clean runs.
+        clean = [t for t in self.trials if not t.transient_errors] or self.trials
+        return max(clean, key=lambda t: t.mib_per_s)
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "path": self.path,
+            "policy": self.policy,
+            "trials": [dataclasses.asdict(t) | {"mib_per_s": t.mib_per_s} for t in self.trials],
+            "best": dataclasses.asdict(self.best) | {"mib_per_s": self.best.mib_per_s},
+        }
+
+    def summary(self) -> str:
+        lines = [f"{self.path}: {self.policy}", "workers  range     MiB/s  transient errors"]
+        for t in self.trials:
+            lines.append(
+                f"{t.workers:7d}  {format_size(t.chunk_bytes):8s} {t.mib_per_s:6.0f}  "
+                f"{t.transient_errors}"
+            )
+        best = self.best
+        lines.append(f"# best: {best.mib_per_s:.0f} MiB/s")
+        lines.extend(best.exports())
+        return "\n".join(lines)
+
+
+class _Cursor:
+    """Hands out ranges that no trial has read yet, file by file, wrapping when PATH is
+    exhausted (after dropping its files from the local page cache)."""
+
+    def __init__(self, files: list[tuple[str, int]]) -> None:
+        self.files = files
+        self._index = 0
+        self._offset = 0
+        self._lock = threading.Lock()
+
+    def next(self, length: int) -> tuple[str, int, int]:
+        with self._lock:
+            path, size = self.files[self._index]
+            if self._offset >= size:
+                self._index = (self._index + 1) % len(self.files)
+                self._offset = 0
+                if self._index == 0:
+                    _drop_cached(self.files)
+                path, size = self.files[self._index]
+            offset = self._offset
+            self._offset += length
+            return path, offset, min(length, size - offset)
+
+
+def _drop_cached(files: list[tuple[str, int]]) -> None:
+    for path, _size in files:
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def _list_files(path: Path) -> list[tuple[str, int]]:
+    if path.is_file():
+        candidates = [path]
+    else:
+        candidates = sorted(p for p in path.rglob("*") if p.is_file() and not p.is_symlink())
+    files = [(str(p), p.stat().st_size) for p in candidates]
+    files = [(p, size) for p, size in files if size > 0]
+    if not files:
+        raise LoaderplugError(f"{path}: no files with data to read; point bench at a model")
+    return files
+
+
+def run_bench(
+    path: str | os.PathLike[str],
+    *,
+    seconds: float = 30.0,
+    max_bytes: int = 4 * GiB,
+    grid: Sequence[tuple[int, int]] = GRID,
+    settings: Settings | None = None,
+) -> BenchResult:
+    """Sweep ``grid`` over the files under ``path``, read-only, within the budgets."""
+    settings = settings or from_env()
+    files = _list_files(Path(path))
+    pm = plugin_manager(settings.disable_plugins)
+    policy: IOPolicy = first_result(
+        pm, "loaderplug_io_policy", path=files[0][0], mode=settings.direct_io
+    )
+    cursor = _Cursor(files)
+    slice_s = seconds / len(grid)
+    byte_budget = max_bytes // len(grid)
+    trials = [_trial(Trial(w, c), cursor, policy, pm, slice_s, byte_budget) for w, c in grid]
+    mode = "direct" if policy.direct else "buffered"
+    return BenchResult(str(path), f"read {mode} ({policy.reason})", trials)
+
+
+def _trial(
+    trial: Trial,
+    cursor: _Cursor,
+    policy: IOPolicy,
+    pm: pluggy.PluginManager,
+    seconds: float,
+    byte_budget: int,
+) -> Trial:
+    lock = threading.Lock()
+    started = time.monotonic()
+    deadline = started + seconds
+
+    def worker() -> None:
+        buffer = aligned_buffer(trial.chunk_bytes)
+        view = memoryview(buffer)
+        try:
+            while time.monotonic() < deadline:
+                with lock:
+                    if trial.bytes_read >= byte_budget:
+                        return
+                path, offset, length = cursor.next(trial.chunk_bytes)
+                got = _read(pm, path, policy, view, offset, length)
+                with lock:
+                    if got < 0:
+                        trial.transient_errors += 1
+                    else:
+                        trial.bytes_read += got
+        finally:
+            view.release()
+            buffer.close()
+
+    threads = [threading.Thread(target=worker, daemon=True) for _ in range(trial.workers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    trial.seconds = time.monotonic() - started
+    return trial
+
+
+def _read(
+    pm: pluggy.PluginManager, path: str, policy: IOPolicy, view: memoryview, offset: int, n: int
+) -> int:
+    """Bytes read, or -1 on a transient error; other errors end the bench."""
+    source: Source = first_result(pm, "loaderplug_open_source", path=path, policy=policy)
+    try:
+        # Direct reads want whole blocks: round the length up (the buffer has room).
+        want = -(-n // 4096) * 4096 if policy.direct else n
+        return min(source.pread_into(view[: min(want, len(view))], offset), n)
+    except OSError as exc:
+        if exc.errno in TRANSIENT_ERRNOS:
+            return -1
+        raise LoaderplugError(f"{path}: reading failed: {exc.strerror or exc}") from exc
+    finally:
+        source.close()
