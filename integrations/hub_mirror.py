@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import re
 from collections.abc import Sequence
@@ -30,12 +31,14 @@ from loaderplug.errors import HydrateError, MirrorError
 from loaderplug.report import TransferReport
 from loaderplug.settings import Settings
 from loaderplug.sinks import temp_name_for
+from loaderplug.tree import path_problem
 from loaderplug.volume import select
 
 COMMIT = re.compile(r"^[0-9a-f]{40}$")
 SHA256 = re.compile(r"^[0-9a-f]{64}$")
 LISTING_FORMAT = 1  # huggingface_hub's trees/<commit>.json format_version
 HASH_BLOCK = 8 * 1024 * 1024
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -74,9 +77,14 @@ def read_listing(folder: Path, commit: str) -> dict[str, RepoFile] | None:
         for path, entry in data["files"].items():
             # The blob is named by the ETag the Hub serves: the LFS sha256, else the git
             # blob id; an LFS entry's size is the LFS object's.
-            blob = entry.get("lfs_sha256") or entry["blob_id"]
+            blob = str(entry.get("lfs_sha256") or entry["blob_id"])
             size = entry.get("lfs_size") or entry["size"]
-            files[path] = RepoFile(path, str(blob), int(size))
+            if path_problem(path) or not (SHA256.match(blob) or COMMIT.match(blob)):
+                # A listing that names a path outside the snapshot, or a blob that is not
+                # a hash, was not written by huggingface_hub: the mirror is not trusted.
+                log.warning("%s: refusing a listing entry %r -> %r", folder, path, blob)
+                return None
+            files[path] = RepoFile(path, blob, int(size))
         return files
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None

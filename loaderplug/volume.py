@@ -32,7 +32,7 @@ from loaderplug.report import FileResult, TransferReport
 from loaderplug.settings import Settings, from_env
 from loaderplug.sinks import FileSink, temp_name_for
 from loaderplug.source import Identity
-from loaderplug.tree import Tree, temp_files, walk
+from loaderplug.tree import Tree, path_problem, symlink_problem, temp_files, walk
 
 
 @dataclass(frozen=True)
@@ -263,8 +263,20 @@ def select(
     src_path, dst_path = _check_apart(job, Path(src), Path(dst))
 
     def listing() -> _Listing:
-        chosen = _Listing({}, dict(symlinks), [], {}, {})
+        chosen = _Listing({}, {}, [], {}, {})
+        # The selection may come from a mirror's own listing: nothing may land, or be
+        # read, outside the two roots.
+        for rel, target in sorted(symlinks.items()):
+            problem = path_problem(rel) or symlink_problem(rel, target)
+            if problem:
+                chosen.refused[rel] = problem
+            else:
+                chosen.symlinks[rel] = target
         for rel, origin in sorted(files.items()):
+            problem = path_problem(rel) or path_problem(origin)
+            if problem:
+                chosen.refused[rel] = problem
+                continue
             try:
                 st = os.stat(src_path / origin)
             except OSError as exc:

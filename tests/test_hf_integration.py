@@ -325,3 +325,21 @@ def test_transformers_finds_the_hydrated_snapshot_offline(
     config = transformers.AutoConfig.from_pretrained(REPO, cache_dir=cache2)
     assert config.model_type == "llama"
     assert hub.requests == []
+
+
+@pytest.mark.parametrize("bad", [("../../escape.txt", "a" * 40), ("ok.txt", "../../x")])
+def test_a_mirror_listing_that_escapes_is_not_trusted(
+    hub: HubServer, tmp_path: Path, volume: Path, bad: tuple[str, str]
+) -> None:
+    import json
+
+    sha = hub.add_repo(REPO, FILES)
+    worker_one(hub, tmp_path)
+    listing = volume / "hub" / FOLDER / "trees" / f"{sha}.json"
+    data = json.loads(listing.read_text())
+    data["files"][bad[0]] = {"size": 1, "blob_id": bad[1]}
+    listing.write_text(json.dumps(data))
+    path = lp_hub.snapshot_download(REPO, cache_dir=tmp_path / "cache2")
+    assert snapshot_bytes(path) == FILES  # downloaded instead
+    assert not (tmp_path / "escape.txt").exists() and not (tmp_path / "x").exists()
+    assert hub.file_requests() > 0

@@ -210,3 +210,17 @@ def test_a_file_where_the_mirror_has_a_folder_fails_that_path_only(
     assert {r.path for r in report.failed} == {"sub", "sub/x.bin"}
     assert "cannot create the folder" in {r.path: r.reason for r in report.failed}["sub"]
     assert len(report.restored) == 6
+
+
+def test_a_selection_never_reaches_outside_its_roots(model: Path, tmp_path: Path) -> None:
+    from loaderplug.settings import from_env
+    from loaderplug.volume import select
+
+    first = sorted(p.name for p in model.iterdir() if p.is_file())[0]
+    dst = tmp_path / "dst"
+    files = {"../outside": first, "inside": "../" + first, "fine": first}
+    links = {"link": "../../etc/passwd", "../link": "fine"}
+    report = select("hydrate", model, dst, files, links, from_env(**FAST))
+    assert sorted(r.path for r in report.failed) == ["../link", "../outside", "inside", "link"]
+    assert (dst / "fine").read_bytes() == (model / first).read_bytes()
+    assert not (tmp_path / "outside").exists() and not (tmp_path / "link").exists()
