@@ -229,6 +229,8 @@ class DeviceTensorSink:
         self._dtypes = {t.name: torch_dtype(header.path, t.name, t.dtype) for t in header.tensors}
         self._coverage = _Coverage(header)
         self._device: dict[str, torch.Tensor] = {}
+        self._lock = threading.Lock()
+        self._aborted = False
 
     def prepare(self) -> None:
         for t in self._coverage.tensors:
@@ -247,19 +249,28 @@ class DeviceTensorSink:
         buffer = self.pool.take()
         try:
             as_bytes(buffer)[: len(data)] = data
-            for t, begin, stop in self._coverage.pieces(offset, end):
-                self.pool.backend.copy_async(
-                    self._device[t.name][begin - t.begin : stop - t.begin],
-                    buffer[begin - offset : stop - offset],
-                )
+            with self._lock:  # abort() may be dropping the device memory
+                if self._aborted:
+                    return
+                for t, begin, stop in self._coverage.pieces(offset, end):
+                    self.pool.backend.copy_async(
+                        self._device[t.name][begin - t.begin : stop - t.begin],
+                        buffer[begin - offset : stop - offset],
+                    )
         finally:
-            event = self.pool.backend.record()
-            self.pool.give(buffer, event)
+            self.pool.give(buffer, self.pool.backend.record())
         done = self._coverage.landed(offset, end)
-        if done:
-            event.synchronize()  # covers every earlier copy too: one stream, in order
-            for t in done:
-                self._deliver(t, self._device.pop(t.name))
+        if not done:
+            return
+        # Other writers may have queued pieces of these tensors after this writer's
+        # event; an event recorded now follows every copy queued before they reported
+        # their pieces landed (one stream runs copies in order).
+        self.pool.backend.record().synchronize()
+        with self._lock:
+            finished = [(t, self._device.pop(t.name, None)) for t in done]
+        for t, raw in finished:
+            if raw is not None:
+                self._deliver(t, raw)
 
     def _deliver(self, t: TensorInfo, raw: torch.Tensor) -> None:
         self.emit(t.name, raw.view(self._dtypes[t.name]).reshape(t.shape))
@@ -269,8 +280,11 @@ class DeviceTensorSink:
 
     def abort(self) -> None:
         self._coverage.abort()
-        self.pool.drain()  # no copy may still be writing memory that is about to go
-        self._device.clear()
+        with self._lock:
+            self._aborted = True
+            # Copies already queued finish before their device memory can be reused.
+            self.pool.backend.record().synchronize()
+            self._device.clear()
 
 
 _DONE = object()

@@ -126,13 +126,6 @@ class StagingPool:
             self._returned.append((buffer, event))
             self._cond.notify()
 
-    def drain(self) -> None:
-        """Wait for every outstanding copy (before device memory is dropped)."""
-        with self._cond:
-            pending = [event for _, event in self._returned]
-        for event in pending:
-            event.synchronize()
-
 
 def pool_for(backend: CopyBackend, bytes_in_flight: int) -> StagingPool:
     size = min(STAGING_BUFFER_BYTES, bytes_in_flight)

@@ -115,3 +115,73 @@ def test_the_pool_waits_for_a_buffers_event_before_handing_it_out() -> None:
     taker.join(5)
     assert taken and taken[0] is first
     assert backend.pinned_made == 1
+
+
+class StreamEvent:
+    """An event on :class:`InOrderBackend`'s queue: waiting runs the queue up to it."""
+
+    def __init__(self, backend: InOrderBackend) -> None:
+        self.backend = backend
+
+    def query(self) -> bool:
+        return self not in self.backend.queue
+
+    def synchronize(self) -> None:
+        with self.backend.lock:
+            while self in self.backend.queue:
+                item = self.backend.queue.pop(0)
+                if not isinstance(item, StreamEvent):
+                    item[0].copy_(item[1])
+
+
+class InOrderBackend:
+    """A stream that runs nothing until an event is waited on; the thread named "B" is
+    paused right after it records an event, until ``a_done`` is set."""
+
+    def __init__(self) -> None:
+        self.queue: list[Any] = []
+        self.lock = threading.RLock()
+        self.a_done = threading.Event()
+        self.b_recorded = threading.Event()
+
+    def empty(self, nbytes: int) -> torch.Tensor:
+        return torch.zeros(nbytes, dtype=torch.uint8)
+
+    def pinned(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    def copy_async(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        with self.lock:
+            self.queue.append((dst, src.clone()))  # the staged bytes as they are now
+
+    def record(self) -> StreamEvent:
+        event = StreamEvent(self)
+        with self.lock:
+            self.queue.append(event)
+        if threading.current_thread().name == "B" and not self.b_recorded.is_set():
+            self.b_recorded.set()
+            self.a_done.wait(5)
+        return event
+
+
+def test_a_tensor_finished_by_one_writer_waits_for_another_writers_copies() -> None:
+    from loaderplug.header import Header, TensorInfo
+    from loaderplug.reader import DeviceTensorSink
+
+    tensor = TensorInfo("w", "U8", (8,), 8, 16)
+    header = Header("f", 16, 8, (tensor,), {})
+    backend = InOrderBackend()
+    got: dict[str, list[int]] = {}
+    sink = DeviceTensorSink(
+        header, StagingPool(backend, 4, 4), lambda n, t: got.setdefault(n, t.tolist())
+    )
+    sink.prepare()
+    data = memoryview(bytes(range(16)))
+    # B queues the tail and is paused; A queues the head; B then finishes the tensor.
+    b = threading.Thread(target=lambda: sink.write(data[12:16], 12), name="B")
+    b.start()
+    assert backend.b_recorded.wait(5)
+    sink.write(data[8:12], 8)
+    backend.a_done.set()
+    b.join(5)
+    assert got == {"w": list(range(8, 16))}
