@@ -159,7 +159,11 @@ def _policy_factory(original: Callable[..., Any]) -> Callable[..., Any]:
 
         def construct_with_policy(metadata: Any, device: Any, framework: Any) -> Any:
             copier = construct(metadata, device, framework)
-            _apply_policy(copier, metadata.src)
+            try:
+                _apply_policy(copier, metadata.src)
+            except BaseException:
+                os.close(copier.fd)  # the copier is never handed out: nothing else closes it
+                raise
             return copier
 
         return construct_with_policy
@@ -207,7 +211,10 @@ def hydrate_before_vllm_load() -> None:
     """Rebind vLLM's ``fastsafetensors_weights_iterator`` to hydrate its files first."""
     from vllm.model_executor.model_loader import default_loader, weight_utils
 
-    current = getattr(weight_utils, "fastsafetensors_weights_iterator")  # noqa: B009
+    current = getattr(weight_utils, "fastsafetensors_weights_iterator", None)
+    if current is None:
+        log.warning("loaderplug: this vLLM has no fastsafetensors_weights_iterator to wrap")
+        return
     if getattr(current, "loaderplug_hydrates", False):
         return
 

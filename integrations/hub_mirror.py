@@ -23,6 +23,7 @@ import json
 import logging
 import os
 import re
+import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,7 +31,6 @@ from pathlib import Path
 from loaderplug.errors import HydrateError, MirrorError
 from loaderplug.report import TransferReport
 from loaderplug.settings import Settings
-from loaderplug.sinks import temp_name_for
 from loaderplug.tree import path_problem
 from loaderplug.volume import select
 
@@ -195,7 +195,8 @@ def write_ref(folder: Path, revision: str, commit: str) -> None:
     if ref.is_file() and ref.read_text().strip() == commit:
         return
     ref.parent.mkdir(parents=True, exist_ok=True)
-    temp = temp_name_for(ref)
+    # Not a loaderplug temp name: a copy running under the folder's lock sweeps those.
+    temp = ref.with_name(f".{ref.name}.{secrets.token_hex(6)}.ref")
     temp.write_text(commit)
     os.replace(temp, ref)
 

@@ -69,21 +69,21 @@ def snapshot_download(*args: Any, **kwargs: Any) -> Any:
     options = call.arguments
     if options.get("dry_run") or options.get("force_download"):
         return original_snapshot_download(*args, **kwargs)
-    settings = from_env()
-    mirror = _mirror_for(options, settings)
-    if mirror is not None:
-        try:
-            served = _from_mirror(mirror, options, settings)
-        except Exception as exc:
-            log.warning(
-                "loaderplug: the mirror %s could not serve %s (%s); downloading it instead",
-                mirror,
-                options["repo_id"],
-                exc,
-            )
-        else:
-            if served is not None:
-                return served
+    mirror: Path | None = None
+    try:
+        settings = from_env()
+        mirror = _mirror_for(options, settings)
+        served = _from_mirror(mirror, options, settings) if mirror is not None else None
+    except Exception as exc:
+        log.warning(
+            "loaderplug: the mirror %s could not serve %s (%s); downloading it instead",
+            mirror or "(not found)",
+            options["repo_id"],
+            exc,
+        )
+        return original_snapshot_download(*args, **kwargs)
+    if served is not None:
+        return served
     result = original_snapshot_download(*args, **kwargs)
     if mirror is not None and settings.sync and not _offline(options):
         try:
@@ -126,14 +126,18 @@ def _cache_folder(options: dict[str, Any]) -> Path:
 
 
 def _mirror_for(options: dict[str, Any], settings: Settings) -> Path | None:
-    """The mirror's folder for this repo (``<hub root>/models--org--name``), or None."""
+    """The mirror's folder for this repo (``<hub root>/models--org--name``), or None,
+    also when the local cache is the mirror itself (``HF_HOME`` on the volume)."""
     request = MirrorRequest("hub", options["repo_id"], _revision(options))
     pm = plugin_manager(settings.disable_plugins)
     root = pm.hook.loaderplug_find_mirror(request=request)
     if root is None:
         return None
     name = repo_folder_name(repo_id=options["repo_id"], repo_type=_repo_type(options))
-    return Path(root) / name
+    mirror = Path(root) / name
+    if options.get("local_dir") is None and mirror.resolve() == _cache_folder(options):
+        return None
+    return mirror
 
 
 def _offline(options: dict[str, Any]) -> bool:
@@ -228,10 +232,15 @@ def _to_mirror(mirror: Path, options: dict[str, Any], settings: Settings) -> Non
 
 
 def _local_dir_commit(local_dir: Path) -> str | None:
-    """The commit of the newest listing in a ``local_dir`` download's metadata."""
-    trees = local_dir / ".cache" / "huggingface" / "trees"
-    listings = sorted(trees.glob("*.json"), key=lambda p: p.stat().st_mtime)
-    return listings[-1].stem if listings else None
+    """The commit of the file a ``local_dir`` download recorded last: huggingface_hub
+    writes ``download/<path>.metadata`` (commit, etag, time) for every file it places."""
+    download = local_dir / ".cache" / "huggingface" / "download"
+    records = sorted(download.rglob("*.metadata"), key=lambda p: p.stat().st_mtime)
+    for record in reversed(records):
+        commit = record.read_text().split("\n", 1)[0].strip()
+        if hub_mirror.COMMIT.match(commit):
+            return commit
+    return None
 
 
 # -- install -------------------------------------------------------------------------

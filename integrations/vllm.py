@@ -161,18 +161,31 @@ def _route_logs_to_vllm() -> None:
 
 def _install_mirror_hooks() -> None:
     """With a mirror configured, Hub downloads and vLLM's fastsafetensors load format go
-    through loaderplug too (each only where its library is installed)."""
-    if not from_env().volume:
-        return
+    through loaderplug too, each only where its library is installed. vLLM runs this in
+    every process at start-up: a failure here is a warning, never a failed start."""
     try:
-        from . import huggingface_hub
-    except ImportError:
-        pass
-    else:
-        huggingface_hub.install()
-    try:
-        from . import fastsafetensors
-    except ImportError:
+        if not from_env().volume:
+            return
+    except Exception as exc:
+        log.warning("loaderplug: mirror hooks not installed: %s", exc)
         return
+    for name, install in (("huggingface_hub", _hub_hook), ("fastsafetensors", _fst_hook)):
+        try:
+            install()
+        except ImportError:
+            continue  # that library is not installed: nothing to hook
+        except Exception as exc:
+            log.warning("loaderplug: the %s hook was not installed: %s", name, exc)
+
+
+def _hub_hook() -> None:
+    from . import huggingface_hub
+
+    huggingface_hub.install()
+
+
+def _fst_hook() -> None:
+    from . import fastsafetensors
+
     fastsafetensors.install()
     fastsafetensors.hydrate_before_vllm_load()

@@ -93,7 +93,10 @@ def plan(model: str, revision: str | None, settings: Settings) -> WeightPlan:
         raise WeightsError(f"{model}: neither a folder nor a Hub repo id")
     cached = _in_hf_cache(model, revision)
     if cached is not None:
-        return WeightPlan(model, cached, weight_files(cached), None)
+        try:
+            return WeightPlan(model, cached, weight_files(cached), None)
+        except WeightsError:  # a snapshot holding only the config: look on the mirror
+            pass
     on_mirror = _on_mirror(model, revision, settings)
     if on_mirror is not None:
         copy = local_copy(on_mirror, settings, name=model.replace("/", "--"))
@@ -112,14 +115,15 @@ def stream(plan: WeightPlan, settings: Settings) -> Iterator[tuple[str, torch.Te
     if plan.local_copy is None:
         yield from iter_tensors(plan.files, settings=settings)
         return
+    # The lock is held only while stale files are read from the mirror (and written
+    # locally in the same pass): ranks that find the copy current read it side by side.
     with locked(plan.local_copy, settings.lock_timeout_s):
-        current = [f for f in plan.files if _is_current_copy(f, plan.local_copy / f.name)]
-        stale = [f for f in plan.files if f not in current]
-        local = [plan.local_copy / f.name for f in current]
-        if local:
-            yield from iter_tensors(local, settings=settings)
+        stale = [f for f in plan.files if not _is_current_copy(f, plan.local_copy / f.name)]
         if stale:
             yield from iter_tensors(stale, local_dir=plan.local_copy, settings=settings)
+    current = [plan.local_copy / f.name for f in plan.files if f not in stale]
+    if current:
+        yield from iter_tensors(current, settings=settings)
 
 
 def hydrate_copy(folder: Path, names: list[str], copy: Path, settings: Settings) -> None:

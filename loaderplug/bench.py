@@ -17,10 +17,12 @@ many bytes in flight with ENOMEM. A short sweep finds out:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import threading
 import time
+import traceback
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -139,15 +141,18 @@ def _drop_cached(files: list[tuple[str, int]]) -> None:
 
 
 def _list_files(path: Path) -> list[tuple[str, int]]:
-    if path.is_file():
-        candidates = [path]
-    else:
-        candidates = sorted(p for p in path.rglob("*") if p.is_file() and not p.is_symlink())
-    files = [(str(p), p.stat().st_size) for p in candidates]
-    files = [(p, size) for p, size in files if size > 0]
-    if not files:
+    if not path.exists():
+        raise LoaderplugError(f"{path} does not exist; point bench at a model on your storage")
+    candidates = [path] if path.is_file() else sorted(path.rglob("*"))
+    # Symlinks are followed (a Hub snapshot is made of them), each file read once.
+    files: dict[str, int] = {}
+    for p in candidates:
+        if p.is_file():
+            files.setdefault(os.path.realpath(p), p.stat().st_size)
+    found = [(p, size) for p, size in files.items() if size > 0]
+    if not found:
         raise LoaderplugError(f"{path}: no files with data to read; point bench at a model")
-    return files
+    return found
 
 
 def run_bench(
@@ -184,31 +189,42 @@ def _trial(
     lock = threading.Lock()
     started = time.monotonic()
     deadline = started + seconds
+    reserved = [0]  # bytes claimed by reads started, so the budget is never overshot
+    failures: list[BaseException] = []
 
     def worker() -> None:
         buffer = aligned_buffer(trial.chunk_bytes)
         view = memoryview(buffer)
         try:
-            while time.monotonic() < deadline:
+            while time.monotonic() < deadline and not failures:
                 with lock:
-                    if trial.bytes_read >= byte_budget:
+                    claim = min(trial.chunk_bytes, byte_budget - reserved[0])
+                    if claim <= 0:
                         return
-                path, offset, length = cursor.next(trial.chunk_bytes)
+                    reserved[0] += claim
+                path, offset, length = cursor.next(claim)
                 got = _read(pm, path, policy, view, offset, length)
                 with lock:
                     if got < 0:
                         trial.transient_errors += 1
                     else:
                         trial.bytes_read += got
+        except BaseException as exc:  # reported after the trial: the bench stops
+            # Drop the frames, so no slice of the buffer stays referenced by the error.
+            traceback.clear_frames(exc.__traceback__)
+            failures.append(exc)
         finally:
-            view.release()
-            buffer.close()
+            with contextlib.suppress(BufferError):  # a slice still held elsewhere
+                view.release()
+                buffer.close()
 
     threads = [threading.Thread(target=worker, daemon=True) for _ in range(trial.workers)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
+    if failures:
+        raise failures[0]
     trial.seconds = time.monotonic() - started
     return trial
 

@@ -75,20 +75,23 @@ def _declared_nowhere(group: str) -> bool:
     section = f"[{group}]"
     for entry in sys.path:
         folder = entry or "."
-        if not os.path.isdir(folder):
-            if os.path.exists(folder):  # a zip or other importable file: ask importlib
-                return False
+        if folder.endswith(".egg") or (os.path.exists(folder) and not os.path.isdir(folder)):
+            return False  # an egg, a zip or another importable file: ask importlib
+        try:
+            items = list(os.scandir(folder))
+        except FileNotFoundError:
             continue
-        with os.scandir(folder) as it:
-            for item in it:
-                if not item.name.endswith((".dist-info", ".egg-info")):
-                    continue
-                try:
-                    with open(os.path.join(item.path, "entry_points.txt"), encoding="utf-8") as f:
-                        if section in f.read():
-                            return False
-                except OSError:  # no entry points (or not a folder): nothing declared
-                    continue
+        except OSError:  # unreadable: importlib would skip it, but be sure
+            return False
+        for item in items:
+            if not item.name.endswith((".dist-info", ".egg-info")):
+                continue
+            try:
+                with open(os.path.join(item.path, "entry_points.txt"), encoding="utf-8") as f:
+                    if section in f.read():
+                        return False
+            except OSError:  # no entry points (or not a folder): nothing declared
+                continue
     return True
 
 

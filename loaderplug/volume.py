@@ -262,6 +262,8 @@ def select(
     """
     src_path, dst_path = _check_apart(job, Path(src), Path(dst))
 
+    root = os.path.realpath(src_path) + os.sep
+
     def listing() -> _Listing:
         chosen = _Listing({}, {}, [], {}, {})
         # The selection may come from a mirror's own listing: nothing may land, or be
@@ -274,6 +276,8 @@ def select(
                 chosen.symlinks[rel] = target
         for rel, origin in sorted(files.items()):
             problem = path_problem(rel) or path_problem(origin)
+            if not problem and not os.path.realpath(src_path / origin).startswith(root):
+                problem = f"{origin} resolves outside the mirror root and is refused"
             if problem:
                 chosen.refused[rel] = problem
                 continue
@@ -342,7 +346,7 @@ def _run(
         finally:
             if bar is not None:
                 bar.close()
-        failed = {r.path for r in report.results if r.status == "failed"}
+        failed = {r.path for r in report.results if r.status == "failed"} | set(listing.refused)
         others = [
             _place_symlink(dst, rel, t, failed) for rel, t in sorted(listing.symlinks.items())
         ]

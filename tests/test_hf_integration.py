@@ -343,3 +343,30 @@ def test_a_mirror_listing_that_escapes_is_not_trusted(
     assert snapshot_bytes(path) == FILES  # downloaded instead
     assert not (tmp_path / "escape.txt").exists() and not (tmp_path / "x").exists()
     assert hub.file_requests() > 0
+
+
+def test_a_cache_on_the_volume_is_left_to_huggingface_hub(
+    hub: HubServer, tmp_path: Path, volume: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # HF_HOME on the volume: the cache is the mirror, and there is nothing to copy.
+    hub.add_repo(REPO, FILES)
+    with caplog.at_level(logging.WARNING):
+        path = lp_hub.snapshot_download(REPO, cache_dir=volume / "hub")
+        again = lp_hub.snapshot_download(REPO, cache_dir=volume / "hub")
+    assert path == again and snapshot_bytes(path) == FILES
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
+
+
+def test_a_broken_setting_falls_back_to_the_download(
+    hub: HubServer,
+    tmp_path: Path,
+    volume: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    hub.add_repo(REPO, FILES)
+    monkeypatch.setenv("LOADERPLUG_HYDRATE_WORKERS", "lots")
+    with caplog.at_level(logging.WARNING):
+        path = worker_one(hub, tmp_path)
+    assert snapshot_bytes(path) == FILES
+    assert any("LOADERPLUG_HYDRATE_WORKERS" in r.getMessage() for r in caplog.records)

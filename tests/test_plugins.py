@@ -248,3 +248,13 @@ def test_entry_point_scan_is_skipped_only_when_no_distribution_declares_one(
     monkeypatch.syspath_prepend(str(tmp_path / "archive.zip"))
     (tmp_path / "archive.zip").write_bytes(b"")
     assert not plugins._declared_nowhere("loaderplug-no-such-group")
+
+
+def test_an_egg_on_the_path_is_left_to_importlib(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from loaderplug import plugins
+
+    (tmp_path / "legacy.egg").mkdir()
+    monkeypatch.syspath_prepend(str(tmp_path / "legacy.egg"))
+    assert not plugins._declared_nowhere("loaderplug-no-such-group")

@@ -180,3 +180,30 @@ def test_ranks_loading_at_once_read_the_mirror_once(
     # are read by every rank before it waits, hence the small allowance.
     read = vol.stats()["bytes_read"]
     assert model_bytes <= read < model_bytes + 3 * 4 * 64 * 1024, read
+
+
+def test_vllms_plugin_never_fails_a_start_over_its_mirror_hooks(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    import logging
+
+    from loaderplug.integrations import vllm as lp_vllm
+
+    class Collect(logging.Handler):
+        def __init__(self) -> None:
+            super().__init__(logging.WARNING)
+            self.messages: list[str] = []
+
+        def emit(self, record: logging.LogRecord) -> None:
+            self.messages.append(record.getMessage())
+
+    # vLLM, once imported, keeps its logger's records from the root (and from caplog).
+    collect = Collect()
+    lp_vllm.log.addHandler(collect)
+    monkeypatch.setenv("LOADERPLUG_VOLUME", str(tmp_path))
+    monkeypatch.setenv("LOADERPLUG_CHUNK_BYTES", "huge")
+    try:
+        lp_vllm._install_mirror_hooks()
+    finally:
+        lp_vllm.log.removeHandler(collect)
+    assert any("mirror hooks not installed" in m for m in collect.messages)

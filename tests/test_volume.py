@@ -224,3 +224,15 @@ def test_a_selection_never_reaches_outside_its_roots(model: Path, tmp_path: Path
     assert sorted(r.path for r in report.failed) == ["../link", "../outside", "inside", "link"]
     assert (dst / "fine").read_bytes() == (model / first).read_bytes()
     assert not (tmp_path / "outside").exists() and not (tmp_path / "link").exists()
+
+
+def test_a_link_to_a_file_the_selection_refused_is_not_made(model: Path, tmp_path: Path) -> None:
+    from loaderplug.settings import from_env
+    from loaderplug.volume import select
+
+    dst = tmp_path / "dst"
+    report = select(
+        "hydrate", model, dst, {"gone": "no-such-file"}, {"link": "gone"}, from_env(**FAST)
+    )
+    assert sorted(r.path for r in report.failed) == ["gone", "link"]
+    assert not (dst / "link").is_symlink()
