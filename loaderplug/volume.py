@@ -9,6 +9,7 @@ the destination's cross-process lock; sync writes the mirror's manifest last.
 from __future__ import annotations
 
 import functools
+import glob
 import mmap
 import os
 import posixpath
@@ -30,7 +31,7 @@ from loaderplug.lock import locked
 from loaderplug.plugins import first_result, plugin_manager
 from loaderplug.report import FileResult, TransferReport
 from loaderplug.settings import Settings, from_env
-from loaderplug.sinks import FileSink, temp_name_for
+from loaderplug.sinks import TEMP_SUFFIX, FileSink, temp_name_for
 from loaderplug.source import Identity
 from loaderplug.tree import Tree, path_problem, symlink_problem, temp_files, walk
 
@@ -302,7 +303,14 @@ def select(
         write_manifest=False,
         verify=verify,
         lock_dir=dst_path / lock_in,
+        # Only the chosen files' leftovers: dst may hold much else (a user's local_dir).
+        leftovers=lambda: [t for rel in files for t in _temps_of(dst_path / rel)],
     )
+
+
+def _temps_of(dst: Path) -> list[Path]:
+    """Temp files a killed run left for ``dst`` (see sinks.temp_name_for)."""
+    return list(dst.parent.glob(f".{glob.escape(dst.name)}.*{TEMP_SUFFIX}"))
 
 
 def _check_apart(job: str, src: Path, dst: Path) -> tuple[Path, Path]:
@@ -324,6 +332,7 @@ def _run(
     write_manifest: bool,
     verify: Verify | None = None,
     lock_dir: Path | None = None,
+    leftovers: Callable[[], list[Path]] | None = None,
 ) -> TransferReport:
     pm = plugin_manager(settings.disable_plugins)
     report = TransferReport(
@@ -332,7 +341,7 @@ def _run(
     with locked(lock_dir or dst, settings.lock_timeout_s) as waited:
         report.waited_for_lock_s = waited
         # We hold the lock, so any temp file here belongs to a run that died.
-        for leftover in temp_files(dst):
+        for leftover in leftovers() if leftovers is not None else temp_files(dst):
             leftover.unlink(missing_ok=True)
         listing = list_source()
         started = time.monotonic()

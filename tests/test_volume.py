@@ -236,3 +236,18 @@ def test_a_link_to_a_file_the_selection_refused_is_not_made(model: Path, tmp_pat
     )
     assert sorted(r.path for r in report.failed) == ["gone", "link"]
     assert not (dst / "link").is_symlink()
+
+
+def test_a_selection_sweeps_only_its_own_leftovers(model: Path, tmp_path: Path) -> None:
+    from loaderplug.settings import from_env
+    from loaderplug.volume import select
+
+    first = sorted(p.name for p in model.iterdir() if p.is_file())[0]
+    dst = tmp_path / "dst"
+    (dst / "other").mkdir(parents=True)
+    mine = dst / f".{first}.0123456789ab.loaderplug-tmp"
+    theirs = dst / "other" / ".x.0123456789ab.loaderplug-tmp"
+    mine.write_text("left by a killed run")
+    theirs.write_text("another job's, under its own lock")
+    select("hydrate", model, dst, {first: first}, {}, from_env(**FAST))
+    assert not mine.exists() and theirs.exists()
