@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import threading
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import TypeVar
 
 T = TypeVar("T")
@@ -41,6 +43,15 @@ def drop_cache(files: Sequence[str | os.PathLike[str]]) -> None:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         finally:
             os.close(fd)
+
+
+def write_results(out: Path, name: str, header: str, table: str, raw: object) -> None:
+    """Write ``<out>/<name>.md`` (header, then the table) and ``<name>.json``; print the
+    table."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.md").write_text(header + table + "\n")
+    (out / f"{name}.json").write_text(json.dumps(raw, indent=1))
+    print(table)
 
 
 def run_parallel(items: Sequence[T], workers: int, work: Callable[[T], None]) -> None:

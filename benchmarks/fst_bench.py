@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import drop_cache, run_timed
+from common import drop_cache, run_timed, write_results
 from hydrate_bench import PROFILE, ram_dir
 
 MiB = 1 << 20
@@ -118,11 +118,8 @@ def main() -> None:
         f"mount. Command: `python benchmarks/fst_bench.py{_flags(args)}`."
         f"\n\n"
     )
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "fst.md").write_text(header + text + "\n")
     raw = {f"{place}/{name}": v for (place, name), v in results.items()}
-    (args.out / "fst.json").write_text(json.dumps(raw, indent=1))
-    print(text)
+    write_results(args.out, "fst", header, text, raw)
 
 
 def _flags(args: argparse.Namespace) -> str:

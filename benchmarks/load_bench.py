@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import drop_cache, run_parallel, run_timed
+from common import drop_cache, run_parallel, run_timed, write_results
 
 MiB = 1 << 20
 HERE = Path(__file__).resolve().parent
@@ -152,11 +152,8 @@ def main() -> None:
         f"every page; `call` = the load call alone. Command: "
         f"`python benchmarks/load_bench.py{' --quick' if args.quick else ''}`.\n\n"
     )
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "load.md").write_text(header + text + "\n")
     raw = {f"{s}/{n}": v for (s, n), v in results.items()}
-    (args.out / "load.json").write_text(json.dumps(raw, indent=1))
-    print(text)
+    write_results(args.out, "load", header, text, raw)
 
 
 def table(
