@@ -36,10 +36,14 @@ def start(
     )
 
 
-def wait_for_temps(dst: Path, proc: subprocess.Popen[str], timeout_s: float = 20) -> None:
+def wait_for_temps(
+    dst: Path, proc: subprocess.Popen[str], timeout_s: float = 20, read_log: Path | None = None
+) -> None:
+    """Wait until the copy is under way: temp files exist (and, with ``read_log``, a
+    read has started; temp files are created before the first read)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if dst.exists() and leftover_temps(dst):
+        if dst.exists() and leftover_temps(dst) and (read_log is None or read_log.exists()):
             return
         assert proc.poll() is None, proc.communicate()
         time.sleep(0.02)
@@ -55,7 +59,7 @@ def published_files_are_complete(src: Path, dst: Path) -> None:
 def test_sigint_stops_after_the_reads_in_flight_and_cleans_up(model: Path, tmp_path: Path) -> None:
     dst, reads = tmp_path / "local", tmp_path / "reads.log"
     proc = start(model, dst, 0.2, read_log=reads)
-    wait_for_temps(dst, proc)
+    wait_for_temps(dst, proc, read_log=reads)
     proc.send_signal(signal.SIGINT)
     started_before = len(reads.read_text().splitlines())
     _out, err = proc.communicate(timeout=30)
