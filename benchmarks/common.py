@@ -33,6 +33,15 @@ def run_timed(cmd: list[str], env: dict[str, str] | None = None) -> tuple[float,
     return elapsed, int(done.stderr.strip().splitlines()[-1]) * 1024, done.stdout
 
 
+def run_child(cmd: list[str], env: dict[str, str] | None = None) -> dict[str, float]:
+    """The figures a benchmark child printed as JSON on its last line, plus its peak
+    RSS (``rss``, bytes)."""
+    _seconds, rss, out = run_timed(cmd, env)
+    figures: dict[str, float] = json.loads(out.strip().splitlines()[-1])
+    figures["rss"] = rss
+    return figures
+
+
 def drop_cache(files: Sequence[str | os.PathLike[str]]) -> None:
     """Drop the files from the page cache, so the next read comes from the disk.
     Dirty pages cannot be dropped: each file is fsync'd first."""

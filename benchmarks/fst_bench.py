@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import drop_cache, run_timed, write_results
+from common import drop_cache, run_child, write_results
 from hydrate_bench import PROFILE, ram_dir
 
 MiB = 1 << 20
@@ -59,10 +59,7 @@ def child(name: str, files: list[str]) -> dict[str, float]:
 
 def measure(name: str, files: list[Path], env: dict[str, str]) -> dict[str, float]:
     cmd = [sys.executable, __file__, "--child", name, *map(str, files)]
-    _wall, rss, out = run_timed(cmd, {"LOADERPLUG_PROGRESS": "0", **env})
-    figures: dict[str, float] = json.loads(out.strip().splitlines()[-1])
-    figures["rss"] = rss
-    return figures
+    return run_child(cmd, {"LOADERPLUG_PROGRESS": "0", **env})
 
 
 def main() -> None:

@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import drop_cache, run_parallel, run_timed, write_results
+from common import drop_cache, run_child, run_parallel, write_results
 
 MiB = 1 << 20
 HERE = Path(__file__).resolve().parent
@@ -104,10 +104,7 @@ def warm_cache(files: list[str]) -> None:
 
 def measure(name: str, files: list[str]) -> dict[str, float]:
     cmd = [sys.executable, __file__, "--run", name, *files]
-    _seconds, rss, out = run_timed(cmd, {"LOADERPLUG_PROGRESS": "0"})
-    figures: dict[str, float] = json.loads(out.strip().splitlines()[-1])
-    figures["rss"] = rss
-    return figures
+    return run_child(cmd, {"LOADERPLUG_PROGRESS": "0"})
 
 
 def main() -> None:

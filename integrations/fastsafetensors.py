@@ -173,10 +173,9 @@ def _policy_factory(original: Callable[..., Any]) -> Callable[..., Any]:
 
 def _apply_policy(copier: Any, path: str) -> IOPolicy:
     """Reopen the copier's descriptor direct or buffered, as loaderplug decides."""
-    pm = plugin_manager(from_env().disable_plugins)
-    policy: IOPolicy = first_result(
-        pm, "loaderplug_io_policy", path=path, mode=from_env().direct_io
-    )
+    settings = from_env()
+    pm = plugin_manager(settings.disable_plugins)
+    policy: IOPolicy = first_result(pm, "loaderplug_io_policy", path=path, mode=settings.direct_io)
     if _is_direct(copier.fd) != policy.direct:
         fd = _open(path, policy.direct)
         os.close(copier.fd)

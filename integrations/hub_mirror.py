@@ -24,7 +24,7 @@ import logging
 import os
 import re
 import secrets
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -206,14 +206,15 @@ def sync_snapshot(
     mirror: Path,
     commit: str,
     revision: str,
-    wanted: Sequence[str],
+    choose: Callable[[Iterable[str]], Iterable[str]],
     settings: Settings,
     *,
     local_dir: bool = False,
 ) -> TransferReport:
-    """Copy a downloaded snapshot (``wanted`` paths of ``commit``) to the mirror folder,
-    then the ref last. ``local`` is the repo's cache folder, or with ``local_dir`` the
-    folder a ``local_dir`` download filled with plain files."""
+    """Copy a downloaded snapshot (the paths of ``commit``'s listing that ``choose``
+    keeps) to the mirror folder, then the ref last. ``local`` is the repo's cache
+    folder, or with ``local_dir`` the folder a ``local_dir`` download filled with plain
+    files."""
     meta = ".cache/huggingface/" if local_dir else ""
     listing = read_listing(local / meta, commit)
     if listing is None:
@@ -221,7 +222,7 @@ def sync_snapshot(
             f"{local}: no file listing for commit {commit} ({meta}trees/{commit}.json); "
             f"without it the mirror could not tell a complete snapshot, so it is not filled"
         )
-    entries = [listing[p] for p in wanted if p in listing]
+    entries = [listing[p] for p in choose(listing)]
     files = {f"blobs/{f.blob}": (f.path if local_dir else f"blobs/{f.blob}") for f in entries}
     rel = listing_rel(commit)
     files[rel] = meta + rel

@@ -32,7 +32,7 @@ import logging
 import os
 import sys
 import types
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -144,10 +144,11 @@ def _offline(options: dict[str, Any]) -> bool:
     return bool(options.get("local_files_only")) or bool(constants.HF_HUB_OFFLINE)
 
 
-def _wanted(listing: dict[str, Any], options: dict[str, Any]) -> list[str]:
+def _wanted(paths: Iterable[str], options: dict[str, Any]) -> list[str]:
+    """The repo paths the call's allow/ignore patterns select."""
     return list(
         filter_repo_objects(
-            items=listing.keys(),
+            items=list(paths),
             allow_patterns=options.get("allow_patterns"),
             ignore_patterns=options.get("ignore_patterns"),
         )
@@ -220,12 +221,14 @@ def _to_mirror(mirror: Path, options: dict[str, Any], settings: Settings) -> Non
         commit = hub_mirror.resolve_commit(source, revision)
     if commit is None:
         raise RuntimeError(f"cannot tell which commit {revision!r} was downloaded")
-    listing = hub_mirror.read_listing(
-        source / ".cache" / "huggingface" if local_dir is not None else source, commit
-    )
-    wanted = _wanted(listing, options) if listing is not None else []
     report = hub_mirror.sync_snapshot(
-        source, mirror, commit, revision, wanted, settings, local_dir=local_dir is not None
+        source,
+        mirror,
+        commit,
+        revision,
+        lambda paths: _wanted(paths, options),
+        settings,
+        local_dir=local_dir is not None,
     )
     if not report.ok:
         raise TransferFailed(report)

@@ -80,6 +80,11 @@ def torch_dtype(path: str, name: str, dtype: str) -> torch.dtype:
     return found  # type: ignore[no-any-return]
 
 
+def torch_dtypes(header: Header) -> dict[str, torch.dtype]:
+    """Each tensor's torch dtype; a dtype this torch lacks fails before any read."""
+    return {t.name: torch_dtype(header.path, t.name, t.dtype) for t in header.tensors}
+
+
 def read_header(source: Source, path: str) -> Header:
     """Read and validate the header of an open source (two small reads)."""
     size = source.size
@@ -174,7 +179,7 @@ class TensorSink:
         self.header = header
         self.device = device
         self.emit = emit
-        self._dtypes = {t.name: torch_dtype(header.path, t.name, t.dtype) for t in header.tensors}
+        self._dtypes = torch_dtypes(header)
         self._coverage = _Coverage(header)
         self._mapping: mmap.mmap | None = None
         self._view = memoryview(b"")
@@ -226,7 +231,7 @@ class DeviceTensorSink:
         self.header = header
         self.pool = pool
         self.emit = emit
-        self._dtypes = {t.name: torch_dtype(header.path, t.name, t.dtype) for t in header.tensors}
+        self._dtypes = torch_dtypes(header)
         self._coverage = _Coverage(header)
         self._device: dict[str, torch.Tensor] = {}
         self._lock = threading.Lock()
