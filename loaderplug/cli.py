@@ -27,7 +27,7 @@ EXIT_INTERRUPTED = 130
 def _add_transfer_args(parser: argparse.ArgumentParser, src_help: str, dst_help: str) -> None:
     parser.add_argument("--from", dest="src", required=True, metavar="SRC", help=src_help)
     parser.add_argument("--to", dest="dst", required=True, metavar="DST", help=dst_help)
-    parser.add_argument("--workers", help="worker threads (LOADERPLUG_HYDRATE_WORKERS)")
+    parser.add_argument("--workers", help="worker threads, or auto (LOADERPLUG_HYDRATE_WORKERS)")
     parser.add_argument("--chunk-bytes", help="range size, e.g. 16M (LOADERPLUG_CHUNK_BYTES)")
     parser.add_argument(
         "--bytes-in-flight", help="most bytes read at once, e.g. 512M (LOADERPLUG_BYTES_IN_FLIGHT)"

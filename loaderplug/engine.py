@@ -1,7 +1,9 @@
 """The range executor: N readers pull spans from one lazy plan; writers land them in sinks.
 
 * Memory is bounded by one pool of aligned buffers, ``bytes in flight / chunk`` of them:
-  at most ``workers x chunk`` bytes are being read from the volume at once. When the
+  at most ``workers x chunk`` bytes are being read from the volume at once. How many
+  readers read at once is a :mod:`loaderplug.concurrency` limit: fixed, or adaptive
+  with ``LOADERPLUG_HYDRATE_WORKERS=auto``. When the
   budget holds more buffers than workers (small jobs get smaller ranges), the spares let
   a reader start its next range while its last one is still being written to disk.
 * Each span is read with ``pread`` from a source the reader opened itself, into a
@@ -26,12 +28,20 @@ import mmap
 import queue
 import random
 import threading
+import time
 import traceback
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import pluggy
 
+from loaderplug.concurrency import (
+    AdaptiveLimit,
+    Cancelled,
+    ConcurrencyLimit,
+    FixedLimit,
+    Slot,
+)
 from loaderplug.errors import HydrateError
 from loaderplug.fs import IOPolicy
 from loaderplug.plugins import first_result
@@ -42,9 +52,10 @@ from loaderplug.sinks import PlacingSink, Sink
 from loaderplug.source import Identity, Source, aligned_buffer
 
 TRANSIENT_ERRNOS = frozenset({errno_mod.ENOMEM, errno_mod.EIO, errno_mod.EAGAIN})
-# Reads straight into a sink's memory land in steps of this size (a multiple of every
-# O_DIRECT alignment), so tensors complete as their own bytes land, mid-range.
-PLACED_STEP = 4 * 1024 * 1024
+# Ranges are read in steps of this size (a multiple of every O_DIRECT alignment): reads
+# straight into a sink's memory hand each step on, so tensors complete as their own bytes
+# land, mid-range, and the adaptive limit sees throughput and latency step by step.
+READ_STEP = 4 * 1024 * 1024
 # Buffers have this much room past a chunk, so a read padded up to the O_DIRECT alignment
 # (at most 64 KiB, see fs.direct_io_alignment) still fits.
 READ_PADDING = 64 * 1024
@@ -56,10 +67,6 @@ def backoff_s(settings: Settings, attempt: int) -> float:
     retries from many workers spread out instead of hitting the volume in lockstep."""
     ceiling_ms = min(settings.retry_max_ms, settings.retry_base_ms * 2**attempt)
     return random.uniform(0, ceiling_ms) / 1000
-
-
-class Cancelled(Exception):
-    """Raised inside a worker when the job was cancelled."""
 
 
 @dataclass(eq=False)
@@ -225,6 +232,7 @@ class Engine:
         self._files: Sequence[FileJob] = ()
         self._writes: queue.SimpleQueue[_Write | None] = queue.SimpleQueue()
         self._pool = BufferPool(0, 0)
+        self.limit: ConcurrencyLimit = FixedLimit(self.workers)
         self._crash: BaseException | None = None
 
     def cancel(self) -> None:
@@ -244,6 +252,7 @@ class Engine:
         self._files = files
         self._spans = plan([f.size for f in files], self.chunk, threshold)
         count = min(self.workers, sum(spans_per_file))
+        self.limit = AdaptiveLimit(count) if self.settings.adaptive_workers else FixedLimit(count)
         buffers = max(count, self.settings.bytes_in_flight // self.chunk)
         self._pool = BufferPool(buffers, self.chunk + READ_PADDING)
         readers = [self._thread(self._reader, f"read-{i}") for i in range(count)]
@@ -314,20 +323,30 @@ class Engine:
     # -- reading ----------------------------------------------------------------------
 
     def _reader(self) -> None:
-        while not self._cancel.is_set():
-            item = self._next()
-            if item is None:
-                return
-            job, span = item
-            try:
-                job.begin()
-                self._read_span(job, span)
-            except Cancelled:
-                continue
-            except Exception as exc:
-                self._fail(job, exc, span)
+        self.limit.enter()
+        try:
+            while not self._cancel.is_set():
+                slot = self.limit.acquire(self._cancel)
+                try:
+                    item = self._next()
+                    if item is None:
+                        return
+                    job, span = item
+                    try:
+                        job.begin()
+                        self._read_span(job, span, slot)
+                    except Cancelled:
+                        continue
+                    except Exception as exc:
+                        self._fail(job, exc, span)
+                finally:
+                    self.limit.release(slot)
+        except Cancelled:
+            return
+        finally:
+            self.limit.leave()
 
-    def _read_span(self, job: FileJob, span: Span) -> None:
+    def _read_span(self, job: FileJob, span: Span, slot: Slot) -> None:
         end = span.offset + span.length
         # A whole-file span of a small file is read in chunk-sized pieces.
         offsets = range(span.offset, end, self.chunk)
@@ -337,11 +356,11 @@ class Engine:
             return
         placer = next((s for s in job.sinks if isinstance(s, PlacingSink)), None)
         if placer is not None:
-            span_left[0] = sum(-(-min(self.chunk, end - o) // PLACED_STEP) for o in offsets)
+            span_left[0] = sum(-(-min(self.chunk, end - o) // READ_STEP) for o in offsets)
         for offset in offsets:
             length = min(self.chunk, end - offset)
             if placer is not None:
-                self._read_placed(job, span, offset, length, placer, span_left)
+                self._read_placed(job, span, offset, length, placer, span_left, slot)
                 continue
             buffer = self._pool.take(self._cancel)
             try:
@@ -350,7 +369,8 @@ class Engine:
                     offset,
                     length,
                     "reading",
-                    functools.partial(self._read_piece, job, offset, length, buffer[1]),
+                    functools.partial(self._read_piece, job, offset, length, buffer[1], slot),
+                    slot=slot,
                 )
             except BaseException:
                 self._pool.give(buffer)
@@ -360,12 +380,21 @@ class Engine:
             self._writes.put(_Write(job, span, offset, length, buffer, span_left))
 
     def _retrying(
-        self, job: FileJob, offset: int, length: int, action: str, op: Callable[[], None]
+        self,
+        job: FileJob,
+        offset: int,
+        length: int,
+        action: str,
+        op: Callable[[], None],
+        *,
+        slot: Slot | None = None,
     ) -> int:
         """Run ``op`` until it succeeds, retrying transient errnos; returns the retries.
 
         Reads and writes are both retried: ``pread`` and ``pwrite`` at a fixed offset
         can be repeated, and a sync's destination is as flaky as a hydrate's source.
+        A read's ``slot`` hears of every transient error (the storage may be overloaded)
+        and, before the retry, waits if the limit has dropped since.
         """
         attempts = self.settings.retry_attempts
         for attempt in range(attempts):
@@ -387,7 +416,11 @@ class Engine:
                     ) from exc
                 with self._lock:
                     self.retries += 1
+                if slot is not None:
+                    slot.transient_error()
                 self._backoff(attempt)
+                if slot is not None:
+                    slot.renew(self._cancel)
         raise AssertionError("unreachable")
 
     def _backoff(self, attempt: int) -> None:
@@ -402,6 +435,7 @@ class Engine:
         length: int,
         placer: PlacingSink,
         span_left: list[int],
+        slot: Slot,
     ) -> None:
         """Read straight into the sink's memory (no staging buffer, no copy), handing each
         step to the writers as soon as it lands, so a tensor is complete as soon as its
@@ -418,11 +452,9 @@ class Engine:
             done += n
 
         def read_rest() -> None:
-            self._read_piece(
-                job, offset + done, length - done, target[done:], step=PLACED_STEP, landed=landed
-            )
+            self._read_piece(job, offset + done, length - done, target[done:], slot, landed)
 
-        retries = self._retrying(job, offset, length, "reading", read_rest)
+        retries = self._retrying(job, offset, length, "reading", read_rest, slot=slot)
         with self._lock:
             span_left[1] += retries
 
@@ -432,13 +464,12 @@ class Engine:
         offset: int,
         length: int,
         view: memoryview,
-        *,
-        step: int = 0,
+        slot: Slot,
         landed: Callable[[int], None] | None = None,
     ) -> None:
         """Read ``length`` bytes at ``offset`` into ``view`` from a freshly opened source,
-        checking the source's identity before and after; with ``step``, in steps of that
-        size, calling ``landed(n)`` after each."""
+        in steps of ``READ_STEP``, checking the source's identity before and after each;
+        ``slot`` hears how long each step took, and ``landed(n)`` after each."""
         source: Source = first_result(
             self.pm, "loaderplug_open_source", path=job.src, policy=job.policy
         )
@@ -446,10 +477,12 @@ class Engine:
             check_identity(job, source.identity())
             pos = 0
             while pos < length:
-                n = min(step or length, length - pos)
+                n = min(READ_STEP, length - pos)
                 last = pos + n >= length
                 want = view[pos : pos + (_padded(job, n) if last else n)]
+                started = time.perf_counter()
                 got = source.pread_into(want, offset + pos)
+                slot.landed(got, time.perf_counter() - started)
                 if got < n:
                     raise HydrateError(
                         f"source is shorter than expected: read ended at byte "

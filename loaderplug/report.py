@@ -36,6 +36,8 @@ class TransferReport:
     seconds: float = 0.0
     retries: int = 0
     waited_for_lock_s: float = 0.0
+    # With auto workers: the fewest and most readers the adaptive limit allowed.
+    workers_range: tuple[int, int] | None = None
 
     def _with(self, status: Status) -> list[FileResult]:
         return [r for r in self.results if r.status == status]
@@ -76,6 +78,13 @@ class TransferReport:
         )
         return data
 
+    @property
+    def _auto(self) -> str:
+        if self.workers_range is None:
+            return ""
+        low, high = self.workers_range
+        return " (auto)" if low == high else f" (auto, {low}-{high})"
+
     def summary(self) -> str:
         """A few lines for people: counts, speed, and every failure with its reason."""
         lines = [
@@ -84,7 +93,7 @@ class TransferReport:
             f"{len(self.skipped)} skipped, {len(self.failed)} failed; "
             f"{self.bytes_copied / (1 << 20):.1f} MiB in {self.seconds:.2f} s "
             f"({self.mib_per_s:.1f} MiB/s), {self.retries} retries, "
-            f"{self.workers} workers x {format_size(self.chunk_bytes)}"
+            f"{self.workers} workers{self._auto} x {format_size(self.chunk_bytes)}"
         ]
         if self.results and not self.restored and not self.linked and self.ok:
             lines.append("nothing to do: every file is already up to date")

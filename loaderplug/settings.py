@@ -36,6 +36,12 @@ Source = Literal["default", "environment", "override"]
 
 # Derived chunks shrink until a job has about this many ranges per worker.
 RANGES_PER_WORKER = 8
+# With LOADERPLUG_HYDRATE_WORKERS=auto, readers the budget is split for: the adaptive
+# limit may climb this high (fewer when an explicit chunk leaves less room in the budget).
+AUTO_MAX_WORKERS = 32
+# ... and the worker count that derived chunks are fitted for: auto starts from the
+# fixed default, so a job too short to adapt runs as the default would.
+AUTO_START_WORKERS = 8
 
 
 @dataclass(frozen=True)
@@ -43,7 +49,7 @@ class Variable:
     """One ``LOADERPLUG_*`` variable: how to parse it and what it is for."""
 
     field: str
-    kind: Literal["int", "size", "bool", "names", "choice", "path"]
+    kind: Literal["int", "workers", "size", "bool", "names", "choice", "path"]
     default: Any
     help: str
     minimum: int | None = None
@@ -59,6 +65,8 @@ class Variable:
         """The accepted form and range, as printed in errors and the README."""
         if self.kind == "int":
             return f"an integer from {self.minimum} to {self.maximum}"
+        if self.kind == "workers":
+            return f"auto, or an integer from {self.minimum} to {self.maximum}"
         if self.kind == "size":
             assert self.minimum is not None and self.maximum is not None
             low, high = format_size(self.minimum), format_size(self.maximum)
@@ -73,7 +81,16 @@ class Variable:
 
 
 REGISTRY: tuple[Variable, ...] = (
-    Variable("hydrate_workers", "int", 8, "Worker threads copying ranges.", minimum=1, maximum=512),
+    Variable(
+        "hydrate_workers",
+        "workers",
+        8,
+        "Worker threads copying ranges. auto: start at 8 and adapt while copying (more "
+        f"while throughput rises, fewer on ENOMEM/EAGAIN or rising latency), up to "
+        f"{AUTO_MAX_WORKERS} within bytes in flight.",
+        minimum=1,
+        maximum=512,
+    ),
     Variable(
         "bytes_in_flight",
         "size",
@@ -191,7 +208,7 @@ def format_size(n: int) -> str:
 class Settings:
     """Every knob, parsed and checked. Build it with :func:`from_env`."""
 
-    hydrate_workers: int = 8
+    hydrate_workers: int | Literal["auto"] = 8
     bytes_in_flight: int = 512 * MiB
     chunk_bytes: int | None = None
     split_threshold_bytes: int = 32 * MiB
@@ -210,15 +227,31 @@ class Settings:
     sources: Mapping[str, Source] = field(default_factory=dict, compare=False, repr=False)
 
     @property
+    def adaptive_workers(self) -> bool:
+        """``LOADERPLUG_HYDRATE_WORKERS=auto``: the engine adapts concurrency as it runs."""
+        return self.hydrate_workers == "auto"
+
+    @property
+    def _split_workers(self) -> int:
+        """The worker count the budget is divided by to derive a range size."""
+        return AUTO_MAX_WORKERS if self.hydrate_workers == "auto" else self.hydrate_workers
+
+    @property
+    def _fit_workers(self) -> int:
+        """The worker count a small job's ranges are fitted for."""
+        return AUTO_START_WORKERS if self.hydrate_workers == "auto" else self.hydrate_workers
+
+    @property
     def effective_chunk_bytes(self) -> int:
         """The range size: an explicit chunk as given, else bytes in flight / workers.
 
         The derived size is capped at 64 MiB (larger ranges stop helping and delay the
         first finished file) and rounded down to 4 KiB so O_DIRECT offsets stay aligned.
+        With auto workers the budget is split for the most readers auto may run.
         """
         if self.chunk_bytes is not None:
             return self.chunk_bytes
-        share = min(64 * MiB, self.bytes_in_flight // self.hydrate_workers)
+        share = min(64 * MiB, self.bytes_in_flight // self._split_workers)
         return max(4 * KiB, share // (4 * KiB) * (4 * KiB))
 
     def chunk_for_job(self, total_bytes: int) -> int:
@@ -233,14 +266,15 @@ class Settings:
         chunk = self.effective_chunk_bytes
         if self.chunk_bytes is not None:
             return chunk
-        per_worker = total_bytes // (self.hydrate_workers * RANGES_PER_WORKER)
+        per_worker = total_bytes // (self._fit_workers * RANGES_PER_WORKER)
         # A power of two keeps ranges aligned for O_DIRECT and sizes predictable.
         fitted = max(4 * MiB, 1 << max(per_worker, 1).bit_length() - 1)
         return min(chunk, fitted)
 
     def workers_for_chunk(self, chunk: int) -> int:
-        """Workers that may run at once without exceeding the bytes-in-flight budget."""
-        return min(self.hydrate_workers, max(1, self.bytes_in_flight // chunk))
+        """Workers that may run at once without exceeding the bytes-in-flight budget;
+        with auto workers, the most the adaptive limit may climb to."""
+        return min(self._split_workers, max(1, self.bytes_in_flight // chunk))
 
     @property
     def effective_workers(self) -> int:
@@ -292,6 +326,12 @@ def parse_size(raw: str, name: str) -> int:
     return number * _SCALE[unit.lower()] if unit else number
 
 
+def _parse_workers(var: Variable, raw: object) -> int | Literal["auto"]:
+    if isinstance(raw, str) and raw.strip().lower() == "auto":
+        return "auto"
+    return _parse_int(var, raw)
+
+
 def _parse_size(var: Variable, raw: object) -> int:
     if isinstance(raw, bool):
         raise _bad(var, raw)
@@ -340,6 +380,7 @@ def _parse_path(var: Variable, raw: object) -> str:
 
 _PARSERS: dict[str, Callable[[Variable, object], Any]] = {
     "int": _parse_int,
+    "workers": _parse_workers,
     "size": _parse_size,
     "bool": _parse_bool,
     "names": _parse_names,

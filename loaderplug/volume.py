@@ -369,6 +369,9 @@ def _run(
         if write_manifest:
             _write_manifest(dst, listing, report)
         report.workers, report.chunk_bytes = engine.workers, engine.chunk
+        if settings.adaptive_workers:  # the limit it ended at, and how far it moved
+            report.workers = engine.limit.limit
+            report.workers_range = (engine.limit.lowest, engine.limit.highest)
         report.bytes_copied = engine.bytes_copied
         report.retries = engine.retries
         report.seconds = time.monotonic() - started

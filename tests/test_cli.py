@@ -138,7 +138,7 @@ def test_progress_bar_shows_on_a_terminal_only(model: Path, tmp_path: Path) -> N
 def test_bad_flag_is_named_as_a_flag(model: Path, tmp_path: Path) -> None:
     done = run("hydrate", "--from", str(model), "--to", str(tmp_path / "l"), "--workers", "0")
     assert done.returncode == 2
-    assert "--workers='0' is invalid: expected an integer from 1 to 512" in done.stderr
+    assert "--workers='0' is invalid: expected auto, or an integer from 1 to 512" in done.stderr
 
 
 def test_doctor_shows_each_decision_and_where_settings_came_from(tmp_path: Path) -> None:

@@ -72,6 +72,25 @@ def test_enomem_storm_under_load_is_retried_and_bytes_are_identical(
     assert tree_bytes(tmp_path / "local") == tree_bytes(backing)
 
 
+def test_auto_workers_back_off_below_the_in_flight_count_that_draws_enomem(
+    tmp_path: Path,
+) -> None:
+    # Auto starts at eight readers; the volume refuses more than three reads at once.
+    backing = tmp_path / "big"
+    write_model(backing, 96 * MiB, shards=2)
+    profile = VolumeProfile(
+        per_stream_bytes_per_s=16 * MiB, faults=(Fault(errno.ENOMEM, max_inflight=3),)
+    )
+    (tmp_path / "mnt").mkdir()
+    with mounted(backing, tmp_path / "mnt", profile) as vol:
+        report = hydrate(vol.mountpoint, tmp_path / "local", **{**FAST, "hydrate_workers": "auto"})
+        assert vol.stats()["faults_injected"] > 0
+    assert report.ok and report.retries > 0
+    assert report.workers_range is not None and report.workers_range[0] <= 4
+    assert "(auto, " in report.summary(), report.summary()
+    assert tree_bytes(tmp_path / "local") == tree_bytes(backing)
+
+
 @pytest.mark.parametrize(
     "volume",
     [

@@ -66,7 +66,7 @@ def test_out_of_range_int_is_refused_with_its_range() -> None:
     with pytest.raises(SettingsError) as info:
         from_env({"LOADERPLUG_HYDRATE_WORKERS": "0"})
     assert str(info.value) == (
-        "LOADERPLUG_HYDRATE_WORKERS='0' is invalid: expected an integer from 1 to 512"
+        "LOADERPLUG_HYDRATE_WORKERS='0' is invalid: expected auto, or an integer from 1 to 512"
     )
 
 
@@ -86,7 +86,8 @@ def test_bool_is_rejected_where_an_int_is_expected(value: bool) -> None:
     with pytest.raises(SettingsError) as info:
         from_env({}, hydrate_workers=value)
     assert str(info.value) == (
-        f"LOADERPLUG_HYDRATE_WORKERS={value!r} is invalid: expected an integer from 1 to 512"
+        f"LOADERPLUG_HYDRATE_WORKERS={value!r} is invalid: "
+        "expected auto, or an integer from 1 to 512"
     )
 
 
@@ -150,3 +151,14 @@ def test_settings_are_frozen() -> None:
 def test_disable_plugins_is_a_list_of_names() -> None:
     s = from_env({"LOADERPLUG_DISABLE_PLUGINS": "a, b,,c"})
     assert s.disable_plugins == ("a", "b", "c")
+
+
+def test_auto_workers_split_the_budget_for_the_most_readers_auto_may_run() -> None:
+    s = from_env({"LOADERPLUG_HYDRATE_WORKERS": " Auto "})
+    assert s.adaptive_workers and s.hydrate_workers == "auto"
+    assert (s.effective_chunk_bytes, s.effective_workers) == (16 * MiB, 32)
+    # Small jobs are fitted for the eight workers auto starts with, as the default is.
+    assert s.chunk_for_job(256 * MiB) == from_env({}).chunk_for_job(256 * MiB) == 4 * MiB
+    # An explicit chunk leaves room for fewer readers within the same budget.
+    explicit = from_env({"LOADERPLUG_HYDRATE_WORKERS": "auto", "LOADERPLUG_CHUNK_BYTES": "64M"})
+    assert explicit.effective_workers == 8

@@ -1,0 +1,164 @@
+"""The adaptive limit, driven by simulated storage on a simulated clock.
+
+Each tick, every slot the limit allows reads for ``TICK`` seconds of simulated time from a
+storage with a per-stream cap, an aggregate cap and, optionally, ENOMEM for every read
+past K in flight. The engine on the real FUSE volume is tested in test_hydrate_fuse.py.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import pytest
+
+from loaderplug.concurrency import AdaptiveLimit, Cancelled, FixedLimit
+
+MiB = 1 << 20
+TICK = 0.01
+
+
+@dataclass
+class Storage:
+    per_stream: float = 40 * MiB
+    aggregate: float = 640 * MiB
+    enomem_over: int | None = None
+    queueing_s: float = 0.0  # extra service time per read, as on a host another tenant loads
+
+    def throughput(self, readers: int) -> float:
+        ok = min(readers, self.enomem_over or readers)
+        return min(ok * self.per_stream, self.aggregate)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def run(limit: AdaptiveLimit, clock: Clock, storage: Storage, seconds: float) -> list[int]:
+    """Simulate ``seconds`` of copying; the limit after every tick."""
+    seen = []
+    never = threading.Event()
+    for _ in range(round(seconds / TICK)):
+        slots = [limit.acquire(never) for _ in range(limit.limit)]
+        rate = storage.throughput(len(slots))
+        ok = min(len(slots), storage.enomem_over or len(slots))
+        clock.now += TICK
+        for slot in slots[ok:]:  # the reads past K in flight fail
+            slot.transient_error()
+        for slot in slots[:ok]:
+            nbytes = int(rate * TICK / ok)
+            slot.landed(nbytes, TICK * len(slots) / ok + storage.queueing_s)
+        for slot in slots:
+            limit.release(slot)
+        seen.append(limit.limit)
+    return seen
+
+
+def started(ceiling: int, start: int = 8) -> tuple[AdaptiveLimit, Clock]:
+    clock = Clock()
+    limit = AdaptiveLimit(ceiling, start, clock=clock)
+    for _ in range(ceiling):
+        limit.enter()
+    return limit, clock
+
+
+def settled(seen: list[int]) -> list[int]:
+    """The limits of the last two seconds."""
+    return seen[-round(2 / TICK) :]
+
+
+def test_climbs_on_a_per_stream_capped_volume_until_the_aggregate_cap() -> None:
+    storage = Storage(per_stream=40 * MiB, aggregate=640 * MiB)
+    limit, clock = started(ceiling=32)
+    last = settled(run(limit, clock, storage, 8))
+    best = storage.throughput(32)
+    # Within 90% of the best rate, without running to the ceiling for nothing.
+    assert min(storage.throughput(n) for n in last) >= 0.9 * best
+    assert max(last) <= 20 and limit.drops == 0
+
+
+def test_settles_under_the_in_flight_count_that_draws_enomem() -> None:
+    storage = Storage(per_stream=40 * MiB, aggregate=640 * MiB, enomem_over=6)
+    limit, clock = started(ceiling=32)
+    seen = run(limit, clock, storage, 10)
+    assert limit.drops >= 1 and limit.lowest <= 6
+    # Errors keep a level out of reach for a while: most of the time no read fails.
+    assert sum(n <= 6 for n in settled(seen)) >= 0.9 * len(settled(seen))
+    assert min(settled(seen)) >= 4  # backing off does not collapse to one reader
+
+
+def test_a_storm_of_errors_drops_the_limit_once() -> None:
+    limit, _clock = started(ceiling=32, start=16)
+    never = threading.Event()
+    slots = [limit.acquire(never) for _ in range(16)]
+    for slot in slots:
+        slot.transient_error()
+    # Down to the fifteen reads still going when the first one failed; the other
+    # fifteen errors are the same storm.
+    assert (limit.limit, limit.drops) == (15, 1)
+    # A read that began after the drop fails while nothing else reads: that is news,
+    # and the limit drops again, by at most half at once.
+    for slot in slots:
+        limit.release(slot)
+    limit.acquire(never).transient_error()
+    assert (limit.limit, limit.drops) == (7, 2)
+
+
+def test_a_retry_waits_under_a_limit_that_dropped_since_its_error() -> None:
+    limit, _clock = started(ceiling=32, start=4)
+    never = threading.Event()
+    slots = [limit.acquire(never) for _ in range(4)]
+    slots[0].transient_error()  # three others still reading: the limit drops to them
+    assert limit.limit == 3
+    retried = threading.Thread(target=slots[0].renew, args=(never,))
+    retried.start()
+    retried.join(0.3)
+    assert retried.is_alive()  # four slots held, three allowed: the retry waits
+    limit.release(slots[1])
+    retried.join(5)
+    assert not retried.is_alive() and slots[0].held
+
+
+def test_stays_low_when_more_readers_do_not_help() -> None:
+    """Local disk: one reader already reaches what the device gives."""
+    storage = Storage(per_stream=2000 * MiB, aggregate=2000 * MiB)
+    limit, clock = started(ceiling=32)
+    last = settled(run(limit, clock, storage, 6))
+    assert max(last) <= 9  # 8, and a probe one above now and then
+
+
+def test_backs_off_when_latency_rises_without_more_throughput() -> None:
+    storage = Storage(per_stream=40 * MiB, aggregate=320 * MiB)
+    limit, clock = started(ceiling=32)
+    before = settled(run(limit, clock, storage, 4))
+    # Another tenant: each read now waits longer, and the volume gives less in total.
+    storage.queueing_s, storage.aggregate = 0.05, 200 * MiB
+    after = settled(run(limit, clock, storage, 4))
+    assert min(after) < min(before)
+
+
+def test_never_exceeds_the_ceiling() -> None:
+    storage = Storage(per_stream=40 * MiB, aggregate=100_000 * MiB)
+    limit, clock = started(ceiling=12)
+    assert max(run(limit, clock, storage, 6)) == 12
+
+
+def test_a_window_with_idle_readers_decides_nothing() -> None:
+    """The job's last ranges: fewer readers have work than the limit allows."""
+    storage = Storage(per_stream=40 * MiB, aggregate=640 * MiB)
+    limit, clock = started(ceiling=32)
+    for _ in range(32 - 4):
+        limit.leave()
+    assert set(run(limit, clock, storage, 3)) == {8}
+
+
+def test_fixed_limit_lets_workers_in_and_stops_on_cancel() -> None:
+    fixed, cancel = FixedLimit(2), threading.Event()
+    fixed.acquire(cancel), fixed.acquire(cancel)
+    cancel.set()
+    with pytest.raises(Cancelled):
+        fixed.acquire(cancel)
