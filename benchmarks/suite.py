@@ -179,7 +179,10 @@ def main() -> None:
     index = ["# Benchmark results\n", "Drawn by `python benchmarks/suite.py`.\n"]
     if not args.plots_only:
         started = time.monotonic()
-        lines = [run(bench, results, args.quick) for bench in chosen]
+        lines = []
+        for bench in chosen:
+            lines.append(run(bench, results, args.quick))
+            print(lines[-1], flush=True)
         took = (time.monotonic() - started) / 60
         index.append(f"Last run: {took:.1f} minutes ({'; '.join(lines)}).\n")
     for bench in BENCHES:

@@ -87,7 +87,7 @@ REGISTRY: tuple[Variable, ...] = (
     Variable(
         "hydrate_workers",
         "workers",
-        8,
+        "auto",
         "Worker threads copying ranges. auto: start at 8 and adapt while copying (more "
         f"while throughput rises, fewer on ENOMEM/EAGAIN or rising latency), up to "
         f"{AUTO_MAX_WORKERS} within bytes in flight from network filesystems, 8 from local "
@@ -212,7 +212,7 @@ def format_size(n: int) -> str:
 class Settings:
     """Every knob, parsed and checked. Build it with :func:`from_env`."""
 
-    hydrate_workers: int | Literal["auto"] = 8
+    hydrate_workers: int | Literal["auto"] = "auto"
     bytes_in_flight: int = 512 * MiB
     chunk_bytes: int | None = None
     split_threshold_bytes: int = 32 * MiB

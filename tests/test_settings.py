@@ -11,11 +11,15 @@ from loaderplug.settings import GiB, MiB, from_env
 def test_defaults() -> None:
     s = from_env({})
     assert (s.hydrate_workers, s.bytes_in_flight, s.effective_chunk_bytes) == (
-        8,
+        "auto",
         512 * MiB,
-        64 * MiB,
+        16 * MiB,
     )
-    assert s.effective_workers == 8
+    # Auto may climb to 32 readers of 16 MiB from a network filesystem; from a local
+    # disk it reads 64 MiB ranges, at most 8 at once.
+    assert s.effective_workers == 32
+    assert s.chunk_for_source(network=False) == 64 * MiB
+    assert s.workers_for_chunk(64 * MiB) == 8
     assert s.fsync is True and s.chunk_bytes is None
     assert all(src == "default" for src in s.sources.values())
 
@@ -77,7 +81,7 @@ def test_zero_is_a_value_not_a_default() -> None:
 
 def test_empty_means_unset() -> None:
     s = from_env({"LOADERPLUG_HYDRATE_WORKERS": "", "LOADERPLUG_CHUNK_BYTES": "  "})
-    assert s.hydrate_workers == 8 and s.chunk_bytes is None
+    assert s.hydrate_workers == "auto" and s.chunk_bytes is None
     assert s.sources["hydrate_workers"] == "default"
 
 
@@ -157,8 +161,11 @@ def test_auto_workers_split_the_budget_for_the_most_readers_auto_may_run() -> No
     s = from_env({"LOADERPLUG_HYDRATE_WORKERS": " Auto "})
     assert s.adaptive_workers and s.hydrate_workers == "auto"
     assert (s.effective_chunk_bytes, s.effective_workers) == (16 * MiB, 32)
-    # Small jobs are fitted for the eight workers auto starts with, as the default is.
-    assert s.chunk_for_job(256 * MiB) == from_env({}).chunk_for_job(256 * MiB) == 4 * MiB
+    # Small jobs from a network filesystem are fitted for the eight workers auto starts
+    # with, as for eight fixed workers; a local disk keeps its long ranges.
+    fixed = from_env({"LOADERPLUG_HYDRATE_WORKERS": "8"})
+    assert s.chunk_for_job(256 * MiB) == fixed.chunk_for_job(256 * MiB) == 4 * MiB
+    assert s.chunk_for_job(256 * MiB, network=False) == 64 * MiB
     # An explicit chunk leaves room for fewer readers within the same budget.
     explicit = from_env({"LOADERPLUG_HYDRATE_WORKERS": "auto", "LOADERPLUG_CHUNK_BYTES": "64M"})
     assert explicit.effective_workers == 8
