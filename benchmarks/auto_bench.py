@@ -54,9 +54,9 @@ PROFILES: dict[str, VolumeProfile | None] = {
     ),
     "local disk": None,
 }
-# workers x chunk, 96-512 MiB in flight: few long ranges to many short ones, with the
-# fixed default (8 workers; a 1 GiB model gets 16 MiB ranges) and the object store's
-# sweet spot (as many readers as it takes) among them.
+# workers x chunk, 96-512 MiB in flight: few long ranges to many short ones, with eight
+# workers (the fixed default before auto; a 1 GiB model gets 16 MiB ranges) and the object
+# store's sweet spot (as many readers as it takes) among them.
 SWEEP = tuple(
     (workers, mib * MiB)
     for workers, mib in ((4, 64), (6, 16), (8, 64), (8, 16), (16, 32), (32, 16), (64, 8))
@@ -155,7 +155,7 @@ def table(results: dict[str, dict[str, Runs]]) -> str:
     ]
     summary = [
         "",
-        f"| storage | best fixed | auto | auto / best fixed | default {DEFAULT} / best "
+        f"| storage | best fixed | auto | auto / best fixed | {DEFAULT} (fixed 8) / best "
         "| auto failed files |",
         "|---|---|---|---|---|---|",
     ]

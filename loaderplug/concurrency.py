@@ -36,13 +36,14 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from loaderplug.settings import AUTO_START_WORKERS
+
 WINDOW_S = 0.25  # shortest measuring window
 SETTLE_S = 0.1  # after a change, time for new readers to reach speed before measuring
 GAIN = 0.05  # a step up must raise throughput this much to count as a gain
 LATENCY_RISE = 1.5  # latency grown this much, with no more throughput: back off
 CAP_HOLD_S = 10.0  # how long a level that failed stays out of reach
 PROBE_EVERY = 8  # windows held between two probes one step up
-START = 8  # the fixed default's worker count: auto starts from the known-good setting
 
 
 class Cancelled(Exception):
@@ -180,7 +181,7 @@ class AdaptiveLimit(ConcurrencyLimit):
     def __init__(
         self,
         ceiling: int,
-        start: int = START,
+        start: int = AUTO_START_WORKERS,
         *,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
