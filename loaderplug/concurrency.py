@@ -7,9 +7,13 @@ limit while the copy runs:
 
 * **Grow** while throughput rises: every window (a quarter second or more) compares the
   bytes landed per second with the last window's, at the last limit. A gain of at least
-  ``GAIN`` raises the limit by a quarter; a smaller one goes back one step and holds
-  there: fewer readers for the same bytes load the storage less. A network volume with
-  a per-stream cap keeps gaining until its aggregate cap.
+  ``GAIN`` doubles the limit at first (a slow start, as TCP's: a model of a few GiB is
+  copied in seconds, too few windows to climb from 8 to 32 by small steps) and raises
+  it by a quarter once a step has failed to gain; a smaller gain goes back one step and
+  holds there: fewer readers for the same bytes load the storage less. A network volume
+  with a per-stream cap keeps gaining until its aggregate cap. A doubling is safe on
+  the throughput side: on a curve that flattens, a doubling that gains less than
+  ``GAIN`` means the level below it already had nearly all there is.
 * **Back off** on a transient error (ENOMEM, EAGAIN, EIO): the limit drops at once to
   the reads that were still going when one failed (what the storage took), by at most
   half, and the level that failed is out of reach for the next ``CAP_HOLD_S``; from
@@ -31,6 +35,7 @@ when readers run out of spans, say nothing about the storage. The limit never ex
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -44,6 +49,8 @@ GAIN = 0.05  # a step up must raise throughput this much to count as a gain
 LATENCY_RISE = 1.5  # latency grown this much, with no more throughput: back off
 CAP_HOLD_S = 10.0  # how long a level that failed stays out of reach
 PROBE_EVERY = 8  # windows held between two probes one step up
+
+log = logging.getLogger(__name__)
 
 
 class Cancelled(Exception):
@@ -149,6 +156,7 @@ class ConcurrencyLimit:
         """Move the limit (lock held)."""
         limit = max(1, min(limit, self.ceiling))
         if limit != self.limit:
+            log.debug("concurrency limit %d -> %d", self.limit, limit)
             self.limit = limit
             self.lowest, self.highest = min(self.lowest, limit), max(self.highest, limit)
             self._cond.notify_all()
@@ -189,6 +197,7 @@ class AdaptiveLimit(ConcurrencyLimit):
         self._clock = clock
         self._window = _Window(clock() + SETTLE_S)
         self._previous: tuple[int, float] | None = None  # (limit, rate) of the last window
+        self._doubling = True  # until a step fails to gain or the storage pushes back
         self._additive = False  # after a drop, climb one reader at a time
         self._hold: _Hold | None = None
         self._cap, self._cap_until = self.ceiling, 0.0
@@ -258,20 +267,25 @@ class AdaptiveLimit(ConcurrencyLimit):
             self._move(now, self.limit + 1)
 
     def _start_hold(self, now: float, limit: int, rate: float) -> None:
-        self._hold = _Hold(rate)
+        self._hold, self._doubling = _Hold(rate), False
         self._move(now, limit)
 
     def _climb(self, now: float, rate: float) -> None:
-        step = 1 if self._additive else max(1, self.limit // 4)
-        target = min(self.limit + step, self._cap)
+        target = min(self.limit + self._step_up(), self._cap)
         if target <= self.limit:
             self._start_hold(now, self.limit, rate)
         else:
             self._move(now, target)
 
+    def _step_up(self) -> int:
+        if self._additive:
+            return 1
+        return self.limit if self._doubling else max(1, self.limit // 4)
+
     def _drop(self, now: float, limit: int) -> None:
         """Down to ``limit``, then climb again from there, one reader at a time."""
-        self._hold, self._previous, self._additive = None, None, True
+        self._hold, self._previous = None, None
+        self._doubling, self._additive = False, True
         self.drops += 1
         self._move(now, limit)
 

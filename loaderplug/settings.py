@@ -36,11 +36,10 @@ Source = Literal["default", "environment", "override"]
 
 # Derived chunks shrink until a job has about this many ranges per worker.
 RANGES_PER_WORKER = 8
-# With LOADERPLUG_HYDRATE_WORKERS=auto, readers the budget is split for when the source
-# is on a network filesystem: many streams beat a per-stream cap, and the adaptive limit
-# may climb this high (fewer when an explicit chunk leaves less room in the budget).
-# A local disk reads fastest in few long ranges, so there the budget is split as for the
-# fixed default, and auto adapts below that.
+# With LOADERPLUG_HYDRATE_WORKERS=auto, readers the budget is split for: many streams
+# beat a per-stream cap, and the adaptive limit may climb this high (fewer when an
+# explicit chunk leaves less room in the budget). 32 x 16 MiB was the best fixed setting
+# on the network volume and on local disk in benchmarks/auto_bench.py.
 AUTO_MAX_WORKERS = 32
 # ... and where auto starts, which small jobs' ranges are fitted for: eight readers were
 # the best fixed count measured on network volumes, so a job too short to adapt runs as
@@ -90,9 +89,8 @@ REGISTRY: tuple[Variable, ...] = (
         "workers",
         "auto",
         "Worker threads copying ranges. auto: start at 8 and adapt while copying (more "
-        f"while throughput rises, fewer on ENOMEM/EAGAIN or rising latency), up to "
-        f"{AUTO_MAX_WORKERS} within bytes in flight from network filesystems, 8 from local "
-        "disks.",
+        "while throughput rises, fewer on ENOMEM/EAGAIN or rising latency), up to "
+        f"{AUTO_MAX_WORKERS} within bytes in flight.",
         minimum=1,
         maximum=512,
     ),
@@ -236,11 +234,11 @@ class Settings:
         """``LOADERPLUG_HYDRATE_WORKERS=auto``: the engine adapts concurrency as it runs."""
         return self.hydrate_workers == "auto"
 
-    def _split_workers(self, network: bool) -> int:
-        """The worker count the budget is divided by to derive a range size."""
-        if self.hydrate_workers != "auto":
-            return self.hydrate_workers
-        return AUTO_MAX_WORKERS if network else AUTO_START_WORKERS
+    @property
+    def _split_workers(self) -> int:
+        """The worker count the budget is divided by to derive a range size: with auto,
+        the most readers it may climb to."""
+        return AUTO_MAX_WORKERS if self.hydrate_workers == "auto" else self.hydrate_workers
 
     @property
     def _fit_workers(self) -> int:
@@ -249,22 +247,17 @@ class Settings:
 
     @property
     def effective_chunk_bytes(self) -> int:
-        return self.chunk_for_source(network=True)
-
-    def chunk_for_source(self, *, network: bool) -> int:
         """The range size: an explicit chunk as given, else bytes in flight / workers.
 
         The derived size is capped at 64 MiB (larger ranges stop helping and delay the
         first finished file) and rounded down to 4 KiB so O_DIRECT offsets stay aligned.
-        With auto workers and a ``network`` source, the budget is split for the most
-        readers auto may run.
         """
         if self.chunk_bytes is not None:
             return self.chunk_bytes
-        share = min(64 * MiB, self.bytes_in_flight // self._split_workers(network))
+        share = min(64 * MiB, self.bytes_in_flight // self._split_workers)
         return max(4 * KiB, share // (4 * KiB) * (4 * KiB))
 
-    def chunk_for_job(self, total_bytes: int, *, network: bool = True) -> int:
+    def chunk_for_job(self, total_bytes: int) -> int:
         """The range size for a job of ``total_bytes``.
 
         A derived chunk also shrinks for small jobs, so that every worker gets about
@@ -272,12 +265,9 @@ class Settings:
         model would leave half of eight workers idle, and the last ranges, which land
         after every read is done, are short. It never goes below 4 MiB, where
         per-request overhead starts to dominate. An explicit chunk is used as is.
-        ``network``: whether a source is on a network filesystem.
         """
-        chunk = self.chunk_for_source(network=network)
-        # Auto on a local disk keeps long ranges: there they beat short ones (8 x 64 MiB
-        # against 8 x 16 MiB: 260 against 210 MiB/s for 1 GiB, benchmarks/auto_bench.py).
-        if self.chunk_bytes is not None or (self.adaptive_workers and not network):
+        chunk = self.effective_chunk_bytes
+        if self.chunk_bytes is not None:
             return chunk
         per_worker = total_bytes // (self._fit_workers * RANGES_PER_WORKER)
         # A power of two keeps ranges aligned for O_DIRECT and sizes predictable.
@@ -287,7 +277,7 @@ class Settings:
     def workers_for_chunk(self, chunk: int) -> int:
         """Workers that may run at once without exceeding the bytes-in-flight budget;
         with auto workers, the most the adaptive limit may climb to."""
-        return min(self._split_workers(True), max(1, self.bytes_in_flight // chunk))
+        return min(self._split_workers, max(1, self.bytes_in_flight // chunk))
 
     @property
     def effective_workers(self) -> int:

@@ -81,6 +81,13 @@ def test_climbs_on_a_per_stream_capped_volume_until_the_aggregate_cap() -> None:
     assert max(last) <= 20 and limit.drops == 0
 
 
+def test_doubles_at_first_so_a_short_job_reaches_many_readers_soon() -> None:
+    storage = Storage(per_stream=40 * MiB, aggregate=1280 * MiB)
+    limit, clock = started(ceiling=32)
+    seen = run(limit, clock, storage, 1.5)
+    assert sorted(set(seen)) == [8, 16, 32] and seen[-1] == 32
+
+
 def test_settles_under_the_in_flight_count_that_draws_enomem() -> None:
     storage = Storage(per_stream=40 * MiB, aggregate=640 * MiB, enomem_over=6)
     limit, clock = started(ceiling=32)

@@ -15,10 +15,8 @@ def test_defaults() -> None:
         512 * MiB,
         16 * MiB,
     )
-    # Auto may climb to 32 readers of 16 MiB from a network filesystem; from a local
-    # disk it reads 64 MiB ranges, at most 8 at once.
+    # Auto may climb to 32 readers of 16 MiB; 64 MiB ranges would leave room for 8.
     assert s.effective_workers == 32
-    assert s.chunk_for_source(network=False) == 64 * MiB
     assert s.workers_for_chunk(64 * MiB) == 8
     assert s.fsync is True and s.chunk_bytes is None
     assert all(src == "default" for src in s.sources.values())
@@ -161,11 +159,10 @@ def test_auto_workers_split_the_budget_for_the_most_readers_auto_may_run() -> No
     s = from_env({"LOADERPLUG_HYDRATE_WORKERS": " Auto "})
     assert s.adaptive_workers and s.hydrate_workers == "auto"
     assert (s.effective_chunk_bytes, s.effective_workers) == (16 * MiB, 32)
-    # Small jobs from a network filesystem are fitted for the eight workers auto starts
-    # with, as for eight fixed workers; a local disk keeps its long ranges.
+    # Small jobs are fitted for the eight workers auto starts with, as for eight fixed
+    # workers.
     fixed = from_env({"LOADERPLUG_HYDRATE_WORKERS": "8"})
     assert s.chunk_for_job(256 * MiB) == fixed.chunk_for_job(256 * MiB) == 4 * MiB
-    assert s.chunk_for_job(256 * MiB, network=False) == 64 * MiB
     # An explicit chunk leaves room for fewer readers within the same budget.
     explicit = from_env({"LOADERPLUG_HYDRATE_WORKERS": "auto", "LOADERPLUG_CHUNK_BYTES": "64M"})
     assert explicit.effective_workers == 8
