@@ -8,7 +8,7 @@ limit while the copy runs:
 * **Grow** while throughput rises: every window (a quarter second or more) compares the
   bytes landed per second with the last window's, at the last limit. A gain of at least
   ``GAIN`` doubles the limit at first (a slow start, as TCP's: a model of a few GiB is
-  copied in seconds, too few windows to climb from 8 to 32 by small steps) and raises
+  copied in seconds, too few windows to climb from 16 to 32 by small steps) and raises
   it by a quarter once a step has failed to gain; a smaller gain goes back one step and
   holds there: fewer readers for the same bytes load the storage less. A network volume
   with a per-stream cap keeps gaining until its aggregate cap. A doubling is safe on

@@ -159,10 +159,11 @@ def test_auto_workers_split_the_budget_for_the_most_readers_auto_may_run() -> No
     s = from_env({"LOADERPLUG_HYDRATE_WORKERS": " Auto "})
     assert s.adaptive_workers and s.hydrate_workers == "auto"
     assert (s.effective_chunk_bytes, s.effective_workers) == (16 * MiB, 32)
-    # Small jobs are fitted for the eight workers auto starts with, as for eight fixed
-    # workers.
-    fixed = from_env({"LOADERPLUG_HYDRATE_WORKERS": "8"})
-    assert s.chunk_for_job(256 * MiB) == fixed.chunk_for_job(256 * MiB) == 4 * MiB
+    # Small jobs are fitted for the sixteen workers auto starts with, as for sixteen
+    # fixed workers.
+    fixed = from_env({"LOADERPLUG_HYDRATE_WORKERS": "16"})
+    assert s.chunk_for_job(1024 * MiB) == fixed.chunk_for_job(1024 * MiB) == 8 * MiB
+    assert s.chunk_for_job(4096 * MiB) == 16 * MiB
     # An explicit chunk leaves room for fewer readers within the same budget.
     explicit = from_env({"LOADERPLUG_HYDRATE_WORKERS": "auto", "LOADERPLUG_CHUNK_BYTES": "64M"})
     assert explicit.effective_workers == 8
