@@ -129,12 +129,27 @@ def plot(bench: Bench, results: Path) -> Path | None:
     labels = [" / ".join(row[i] for i in label_columns) for row in rows]
     values = [number(row[column]) for row in rows]
     ours = [any(w in label for w in ("loaderplug", "volcache", "auto")) for label in labels]
+    # A run that lost files is not a speed to pick: hatch it and say so on its label.
+    failed = [0] * len(rows)
+    if "failed files" in header:
+        failed = [int(number(row[header.index("failed files")])) for row in rows]
+    labels = [
+        f"{lab} ({n} failed files)" if n else lab for lab, n in zip(labels, failed, strict=True)
+    ]
     fig, ax = plt.subplots(figsize=(9, 0.45 * len(rows) + 1.4))
-    bars = ax.barh(range(len(rows)), values, color=["#d9480f" if o else "#868e96" for o in ours])
+    bars = ax.barh(
+        range(len(rows)),
+        values,
+        color=["#d9480f" if o else "#868e96" for o in ours],
+        hatch=["//" if n else "" for n in failed],
+        edgecolor="white",
+        xerr=_whiskers(header, rows, column, values),
+        error_kw={"ecolor": "#343a40", "capsize": 3, "elinewidth": 1},
+    )
     ax.set_yticks(range(len(rows)), labels)
     ax.invert_yaxis()
     ax.set_title(bench.title)
-    ax.set_xlabel(bench.axis)
+    ax.set_xlabel(bench.axis + "; whiskers: min-max of the rounds")
     ax.bar_label(bars, fmt="%.2f" if max(values) < 100 else "%.0f", padding=3)
     ax.margins(x=0.15)
     fig.tight_layout()
@@ -142,6 +157,28 @@ def plot(bench: Bench, results: Path) -> Path | None:
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return out
+
+
+def _whiskers(
+    header: list[str], rows: list[list[str]], column: int, values: list[float]
+) -> list[list[float]] | None:
+    """Distances from each drawn figure to its rounds' min and max, when the table says:
+    a ``min-max`` column next to a median, or ``1.06 (0.82-1.31)`` in the cell itself."""
+    spreads = []
+    for row, value in zip(rows, values, strict=True):
+        cell = row[column]
+        if "(" in cell:
+            cell = cell.split("(", 1)[1].rstrip(")")
+        elif column + 1 < len(header) and header[column + 1].startswith("min-max"):
+            cell = row[column + 1]
+        else:
+            return None
+        try:
+            low, high = (float(x) for x in cell.split("-"))
+        except ValueError:
+            return None
+        spreads.append((max(0.0, value - low), max(0.0, high - value)))
+    return [[s[0] for s in spreads], [s[1] for s in spreads]]
 
 
 def _is_figure(cell: str) -> bool:
@@ -185,6 +222,9 @@ def main() -> None:
             print(lines[-1], flush=True)
         took = (time.monotonic() - started) / 60
         index.append(f"Last run: {took:.1f} minutes ({'; '.join(lines)}).\n")
+    elif (results / "index.md").exists():  # redrawn: the timing of the run still holds
+        last = (results / "index.md").read_text().splitlines()
+        index += [f"{line}\n" for line in last if line.startswith("Last run:")]
     for bench in BENCHES:
         picture = plot(bench, results)
         if picture is None:
