@@ -136,6 +136,7 @@ def plot(bench: Bench, results: Path) -> Path | None:
     labels = [
         f"{lab} ({n} failed files)" if n else lab for lab, n in zip(labels, failed, strict=True)
     ]
+    whiskers = _whiskers(header, rows, column, values)
     fig, ax = plt.subplots(figsize=(9, 0.45 * len(rows) + 1.4))
     bars = ax.barh(
         range(len(rows)),
@@ -143,13 +144,13 @@ def plot(bench: Bench, results: Path) -> Path | None:
         color=["#d9480f" if o else "#868e96" for o in ours],
         hatch=["//" if n else "" for n in failed],
         edgecolor="white",
-        xerr=_whiskers(header, rows, column, values),
+        xerr=whiskers,
         error_kw={"ecolor": "#343a40", "capsize": 3, "elinewidth": 1},
     )
     ax.set_yticks(range(len(rows)), labels)
     ax.invert_yaxis()
     ax.set_title(bench.title)
-    ax.set_xlabel(bench.axis + "; whiskers: min-max of the rounds")
+    ax.set_xlabel(bench.axis + ("; whiskers: min-max of the rounds" if whiskers else ""))
     ax.bar_label(bars, fmt="%.2f" if max(values) < 100 else "%.0f", padding=3)
     ax.margins(x=0.15)
     fig.tight_layout()
