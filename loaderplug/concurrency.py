@@ -5,8 +5,9 @@ takes a :class:`Slot` from a limit before it reads a range. :class:`FixedLimit` 
 ``workers`` in. :class:`AdaptiveLimit` (``LOADERPLUG_HYDRATE_WORKERS=auto``) moves its
 limit while the copy runs:
 
-* **Grow** while throughput rises: every window (a quarter second or more) compares the
-  bytes landed per second with the last window's, at the last limit. A gain of at least
+* **Grow** while throughput rises: every window (a quarter second or more, begun once
+  the readers a step added have landed their first read) compares the bytes landed per
+  second with the last window's, at the last limit. A gain of at least
   ``GAIN`` doubles the limit at first (a slow start, as TCP's: a model of a few GiB is
   copied in seconds, too few windows to climb from 16 to 32 by small steps) and raises
   it by a quarter once a step has failed to gain; a smaller gain goes back one step and
@@ -45,6 +46,7 @@ from loaderplug.settings import AUTO_START_WORKERS
 
 WINDOW_S = 0.25  # shortest measuring window
 SETTLE_S = 0.1  # after a change, time for new readers to reach speed before measuring
+MAX_SETTLE_S = 1.0  # ... however slow their first read is
 GAIN = 0.05  # a step up must raise throughput this much to count as a gain
 LATENCY_RISE = 1.5  # latency grown this much, with no more throughput: back off
 CAP_HOLD_S = 10.0  # how long a level that failed stays out of reach
@@ -197,6 +199,7 @@ class AdaptiveLimit(ConcurrencyLimit):
         self._clock = clock
         self._window = _Window(clock() + SETTLE_S)
         self._previous: tuple[int, float] | None = None  # (limit, rate) of the last window
+        self._read_s = 0.0  # how long one read took in the last window
         self._doubling = True  # until a step fails to gain or the storage pushes back
         self._additive = False  # after a drop, climb one reader at a time
         self._hold: _Hold | None = None
@@ -216,6 +219,7 @@ class AdaptiveLimit(ConcurrencyLimit):
             window.full = window.full and self._readers >= self.limit
             if now - window.started >= WINDOW_S and window.reads >= self.limit:
                 self._window = _Window(now)
+                self._read_s = window.read_seconds / window.reads
                 if window.full:
                     self._decide(now, window.bytes / (now - window.started), window.latency)
 
@@ -290,8 +294,15 @@ class AdaptiveLimit(ConcurrencyLimit):
         self._move(now, limit)
 
     def _move(self, now: float, limit: int) -> None:
+        # Bytes count when a read lands, so the first window after a step up must wait
+        # for the new readers' first reads, which take longer now that more share the
+        # storage: measured sooner, the step shows the old readers slowing down and not
+        # yet what the new ones bring, and looks like no gain.
+        settle = SETTLE_S
+        if limit > self.limit:
+            settle = max(settle, min(MAX_SETTLE_S, self._read_s * limit / self.limit))
         self._set(limit)
-        self._window = _Window(now + SETTLE_S)
+        self._window = _Window(now + settle)
 
 
 @dataclass

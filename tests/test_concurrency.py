@@ -169,3 +169,23 @@ def test_fixed_limit_lets_workers_in_and_stops_on_cancel() -> None:
     cancel.set()
     with pytest.raises(Cancelled):
         fixed.acquire(cancel)
+
+
+def test_a_step_up_is_judged_after_the_new_readers_first_reads_land() -> None:
+    # Bytes count when a read lands. Right after a step up the old readers slow down
+    # (they share the storage with the new ones) while the new readers' first reads are
+    # still under way: measured then, the step would look like a loss.
+    limit, clock = started(ceiling=32, start=8)
+
+    def land(seconds: float, mib_per_s: float, read_s: float) -> None:
+        for _ in range(round(seconds / TICK)):
+            clock.now += TICK
+            slot = limit.acquire(threading.Event())
+            slot.landed(int(mib_per_s * MiB * TICK), read_s)
+            limit.release(slot)
+
+    land(0.5, 320, read_s=0.2)  # eight readers, 0.2 s a read
+    assert limit.limit == 16
+    land(0.35, 160, read_s=0.4)  # the dip: the first reads of the eight new ones not in
+    land(0.5, 600, read_s=0.4)  # sixteen readers, all landing
+    assert limit.limit == 32
