@@ -5,8 +5,9 @@ takes a :class:`Slot` from a limit before it reads a range. :class:`FixedLimit` 
 ``workers`` in. :class:`AdaptiveLimit` (``LOADERPLUG_HYDRATE_WORKERS=auto``) moves its
 limit while the copy runs:
 
-* **Grow** while throughput rises: every window (a quarter second or more, begun once
-  the readers a step added have landed their first read) compares the bytes landed per
+* **Grow** while throughput rises: every window (a quarter second or more, begun after
+  the time the readers a step added need for their first read, as the last window's
+  reads took, at most ``MAX_SETTLE_S``) compares the bytes landed per
   second with the last window's, at the last limit. A gain of at least
   ``GAIN`` doubles the limit at first (a slow start, as TCP's: a model of a few GiB is
   copied in seconds, too few windows to climb from 16 to 32 by small steps) and raises
@@ -21,7 +22,8 @@ limit while the copy runs:
   there it climbs one reader per window. Retries wait for a slot under the new limit.
   An object-store mount that answers more than K reads in flight with ENOMEM settles
   at K. One burst counts once: errors of reads that began before the last drop are the
-  storm that drop answered.
+  storm that drop answered, and only take the limit on down to the reads still going
+  (the first error saw reads going that failed a moment later), no lower than half.
 * **Back off** on rising latency: while holding, two windows in a row whose read latency
   grew by ``LATENCY_RISE`` without more throughput mean the storage queues the same
   bytes for longer (another tenant, a busier host); the limit drops by a quarter and
@@ -46,7 +48,7 @@ from loaderplug.settings import AUTO_START_WORKERS
 
 WINDOW_S = 0.25  # shortest measuring window
 SETTLE_S = 0.1  # after a change, time for new readers to reach speed before measuring
-MAX_SETTLE_S = 1.0  # ... however slow their first read is
+MAX_SETTLE_S = 1.0  # ... but no longer, however slow a read was: the job goes on
 GAIN = 0.05  # a step up must raise throughput this much to count as a gain
 LATENCY_RISE = 1.5  # latency grown this much, with no more throughput: back off
 CAP_HOLD_S = 10.0  # how long a level that failed stays out of reach
@@ -204,6 +206,7 @@ class AdaptiveLimit(ConcurrencyLimit):
         self._additive = False  # after a drop, climb one reader at a time
         self._hold: _Hold | None = None
         self._cap, self._cap_until = self.ceiling, 0.0
+        self._storm_floor = 1  # the lowest the storm of the last drop may take the limit
 
     # -- signals from readers ------------------------------------------------------
 
@@ -224,14 +227,23 @@ class AdaptiveLimit(ConcurrencyLimit):
                     self._decide(now, window.bytes / (now - window.started), window.latency)
 
     def _overloaded(self, slot: Slot) -> None:
-        if slot.drops != self.drops:
-            return  # a read from before the last drop: the storm it already answered
         now = self._clock()
-        self._cap, self._cap_until = max(1, self.limit - 1), now + CAP_HOLD_S
-        # The reads still going when this one failed are what the storage took: go
-        # down to them (it refused one more), but never below half at once.
+        # The reads still going when this one failed are what the storage took.
         still_reading = self._active - self._backing_off
-        self._drop(now, max(self.limit // 2, min(self.limit - 1, still_reading)))
+        if slot.drops != self.drops:
+            # A read from before the last drop: the storm that drop answered. Its first
+            # error saw reads still going that failed a moment later; follow the storm
+            # down to the reads that are left, no lower than the drop allowed.
+            if self._storm_floor <= still_reading < self.limit:
+                self._move(now, still_reading)
+            elif still_reading < self._storm_floor < self.limit:
+                self._move(now, self._storm_floor)
+            return
+        self._cap, self._cap_until = max(1, self.limit - 1), now + CAP_HOLD_S
+        # Down to the reads still going (the storage refused one more), but never below
+        # half at once.
+        self._storm_floor = self.limit // 2
+        self._drop(now, max(self._storm_floor, min(self.limit - 1, still_reading)))
 
     # -- decisions (lock held) -----------------------------------------------------
 

@@ -262,8 +262,8 @@ class Settings:
     def chunk_for_job(self, total_bytes: int) -> int:
         """The range size for a job of ``total_bytes``.
 
-        A derived chunk also shrinks for small jobs, so that every worker gets about
-        eight ranges: on a volume with a per-stream cap, four 64 MiB ranges of a 256 MiB
+        A derived chunk also shrinks for small jobs, so that every worker (with auto,
+        each of the readers it starts with) gets about eight ranges: on a volume with a per-stream cap, four 64 MiB ranges of a 256 MiB
         model would leave half of eight workers idle, and the last ranges, which land
         after every read is done, are short. It never goes below 4 MiB, where
         per-request overhead starts to dominate. An explicit chunk is used as is.

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import pytest
 
 from loaderplug.concurrency import AdaptiveLimit, Cancelled, FixedLimit
+from loaderplug.settings import AUTO_START_WORKERS
 
 MiB = 1 << 20
 TICK = 0.01
@@ -58,7 +59,7 @@ def run(limit: AdaptiveLimit, clock: Clock, storage: Storage, seconds: float) ->
     return seen
 
 
-def started(ceiling: int, start: int = 8) -> tuple[AdaptiveLimit, Clock]:
+def started(ceiling: int, start: int = AUTO_START_WORKERS) -> tuple[AdaptiveLimit, Clock]:
     clock = Clock()
     limit = AdaptiveLimit(ceiling, start, clock=clock)
     for _ in range(ceiling):
@@ -85,7 +86,7 @@ def test_doubles_at_first_so_a_short_job_reaches_many_readers_soon() -> None:
     storage = Storage(per_stream=40 * MiB, aggregate=1280 * MiB)
     limit, clock = started(ceiling=32)
     seen = run(limit, clock, storage, 1.5)
-    assert sorted(set(seen)) == [8, 16, 32] and seen[-1] == 32
+    assert sorted(set(seen)) == [16, 32] and seen[-1] == 32
 
 
 def test_settles_under_the_in_flight_count_that_draws_enomem() -> None:
@@ -93,6 +94,9 @@ def test_settles_under_the_in_flight_count_that_draws_enomem() -> None:
     limit, clock = started(ceiling=32)
     seen = run(limit, clock, storage, 10)
     assert limit.drops >= 1 and limit.lowest <= 6
+    # The first storm (ten of sixteen reads fail) halves the limit at once, not one
+    # reader per error.
+    assert seen[0] == AUTO_START_WORKERS // 2
     # Errors keep a level out of reach for a while: most of the time no read fails.
     assert sum(n <= 6 for n in settled(seen)) >= 0.9 * len(settled(seen))
     assert min(settled(seen)) >= 4  # backing off does not collapse to one reader
@@ -105,14 +109,24 @@ def test_a_storm_of_errors_drops_the_limit_once() -> None:
     for slot in slots:
         slot.transient_error()
     # Down to the fifteen reads still going when the first one failed; the other
-    # fifteen errors are the same storm.
-    assert (limit.limit, limit.drops) == (15, 1)
+    # fifteen errors are the same storm: they take the limit on down with them, but
+    # no lower than half, and count as one drop.
+    assert (limit.limit, limit.drops) == (8, 1)
     # A read that began after the drop fails while nothing else reads: that is news,
     # and the limit drops again, by at most half at once.
     for slot in slots:
         limit.release(slot)
     limit.acquire(never).transient_error()
-    assert (limit.limit, limit.drops) == (7, 2)
+    assert (limit.limit, limit.drops) == (4, 2)
+
+
+def test_a_storm_that_stops_short_leaves_the_limit_at_the_reads_it_spared() -> None:
+    limit, _clock = started(ceiling=32, start=16)
+    never = threading.Event()
+    slots = [limit.acquire(never) for _ in range(16)]
+    for slot in slots[:5]:  # eleven reads go on: the storage takes eleven
+        slot.transient_error()
+    assert (limit.limit, limit.drops) == (11, 1)
 
 
 def test_a_retry_waits_under_a_limit_that_dropped_since_its_error() -> None:
@@ -131,11 +145,12 @@ def test_a_retry_waits_under_a_limit_that_dropped_since_its_error() -> None:
 
 
 def test_stays_low_when_more_readers_do_not_help() -> None:
-    """Local disk: one reader already reaches what the device gives."""
+    """Local disk: one reader already reaches what the device gives, so auto does not
+    climb past where it started (and does not go below it unless the storage pushes)."""
     storage = Storage(per_stream=2000 * MiB, aggregate=2000 * MiB)
     limit, clock = started(ceiling=32)
     last = settled(run(limit, clock, storage, 6))
-    assert max(last) <= 9  # 8, and a probe one above now and then
+    assert max(last) <= AUTO_START_WORKERS + 1  # and a probe one above now and then
 
 
 def test_backs_off_when_latency_rises_without_more_throughput() -> None:
@@ -160,7 +175,7 @@ def test_a_window_with_idle_readers_decides_nothing() -> None:
     limit, clock = started(ceiling=32)
     for _ in range(32 - 4):
         limit.leave()
-    assert set(run(limit, clock, storage, 3)) == {8}
+    assert set(run(limit, clock, storage, 3)) == {AUTO_START_WORKERS}
 
 
 def test_fixed_limit_lets_workers_in_and_stops_on_cancel() -> None:
