@@ -43,7 +43,7 @@ from loaderplug.concurrency import (
     Slot,
 )
 from loaderplug.errors import HydrateError
-from loaderplug.fs import IOPolicy
+from loaderplug.fs import IOPolicy, is_network_type
 from loaderplug.plugins import first_result
 from loaderplug.ranges import Span, count_spans, plan
 from loaderplug.report import FileResult
@@ -244,7 +244,10 @@ class Engine:
     def run(self, files: Sequence[FileJob]) -> list[FileResult]:
         """Copy every file; returns one result per file. Re-raises KeyboardInterrupt."""
         threshold = self.settings.split_threshold_bytes
-        self.chunk = self.settings.chunk_for_job(sum(f.size for f in files))
+        # Whether any source is on a network filesystem: auto splits the budget for many
+        # readers there, for few long ranges on a local disk.
+        network = any(is_network_type(f.policy.fs_type) for f in files)
+        self.chunk = self.settings.chunk_for_job(sum(f.size for f in files), network=network)
         self.workers = self.settings.workers_for_chunk(self.chunk)
         spans_per_file = [count_spans(f.size, self.chunk, threshold) for f in files]
         for job, count in zip(files, spans_per_file, strict=True):

@@ -36,11 +36,14 @@ Source = Literal["default", "environment", "override"]
 
 # Derived chunks shrink until a job has about this many ranges per worker.
 RANGES_PER_WORKER = 8
-# With LOADERPLUG_HYDRATE_WORKERS=auto, readers the budget is split for: many streams
-# beat a per-stream cap, and the adaptive limit may climb this high (fewer when an
-# explicit chunk leaves less room in the budget). 32 x 16 MiB was the best fixed setting
-# on the network volume and on local disk in benchmarks/auto_bench.py.
+# With LOADERPLUG_HYDRATE_WORKERS=auto, readers the budget is split for when the source
+# is on a network filesystem: many streams beat a per-stream cap, and the adaptive limit
+# may climb this high (fewer when an explicit chunk leaves less room in the budget).
 AUTO_MAX_WORKERS = 32
+# ... and when it is on a local disk, which has no per-stream cap: few long ranges beat
+# many short ones there (8 x 64 MiB was the best fixed setting on local disk in five of
+# six runs of benchmarks/auto_bench.py, 4-28% ahead of 8 x 16 MiB).
+AUTO_LOCAL_WORKERS = 8
 # ... and where auto starts, which small jobs' ranges are fitted for. A model of a GiB
 # is copied in a few seconds, too few windows to climb from far below: starting at 16
 # reached 32 x 16 MiB's speed on the network volume where starting at 8 fell 10-20%
@@ -92,7 +95,8 @@ REGISTRY: tuple[Variable, ...] = (
         "auto",
         "Worker threads copying ranges. auto: start at 16 and adapt while copying (more "
         "while throughput rises, fewer on ENOMEM/EAGAIN or rising latency), up to "
-        f"{AUTO_MAX_WORKERS} within bytes in flight.",
+        f"{AUTO_MAX_WORKERS} within bytes in flight from network filesystems, "
+        f"{AUTO_LOCAL_WORKERS} of 64 MiB ranges from local disks.",
         minimum=1,
         maximum=512,
     ),
@@ -236,11 +240,12 @@ class Settings:
         """``LOADERPLUG_HYDRATE_WORKERS=auto``: the engine adapts concurrency as it runs."""
         return self.hydrate_workers == "auto"
 
-    @property
-    def _split_workers(self) -> int:
+    def _split_workers(self, network: bool) -> int:
         """The worker count the budget is divided by to derive a range size: with auto,
-        the most readers it may climb to."""
-        return AUTO_MAX_WORKERS if self.hydrate_workers == "auto" else self.hydrate_workers
+        the most readers it may climb to from a ``network`` source or a local one."""
+        if self.hydrate_workers != "auto":
+            return self.hydrate_workers
+        return AUTO_MAX_WORKERS if network else AUTO_LOCAL_WORKERS
 
     @property
     def _fit_workers(self) -> int:
@@ -249,27 +254,36 @@ class Settings:
 
     @property
     def effective_chunk_bytes(self) -> int:
+        """The range size from a network filesystem; see :meth:`chunk_for_source`."""
+        return self.chunk_for_source(network=True)
+
+    def chunk_for_source(self, *, network: bool) -> int:
         """The range size: an explicit chunk as given, else bytes in flight / workers.
 
         The derived size is capped at 64 MiB (larger ranges stop helping and delay the
         first finished file) and rounded down to 4 KiB so O_DIRECT offsets stay aligned.
+        With auto workers the budget is split for the most readers auto may run from a
+        ``network`` source or a local one.
         """
         if self.chunk_bytes is not None:
             return self.chunk_bytes
-        share = min(64 * MiB, self.bytes_in_flight // self._split_workers)
+        share = min(64 * MiB, self.bytes_in_flight // self._split_workers(network))
         return max(4 * KiB, share // (4 * KiB) * (4 * KiB))
 
-    def chunk_for_job(self, total_bytes: int) -> int:
-        """The range size for a job of ``total_bytes``.
+    def chunk_for_job(self, total_bytes: int, *, network: bool = True) -> int:
+        """The range size for a job of ``total_bytes``; ``network``: whether a source is
+        on a network filesystem.
 
         A derived chunk also shrinks for small jobs, so that every worker (with auto,
-        each of the readers it starts with) gets about eight ranges: on a volume with a per-stream cap, four 64 MiB ranges of a 256 MiB
-        model would leave half of eight workers idle, and the last ranges, which land
-        after every read is done, are short. It never goes below 4 MiB, where
-        per-request overhead starts to dominate. An explicit chunk is used as is.
+        each of the readers it starts with) gets about eight ranges: on a volume with a
+        per-stream cap, four 64 MiB ranges of a 256 MiB model would leave half of eight
+        workers idle, and the last ranges, which land after every read is done, are
+        short. It never goes below 4 MiB, where per-request overhead starts to dominate.
+        An explicit chunk is used as is, and so is auto's long range from a local disk,
+        where one reader gets the device's pace and no per-stream cap idles the others.
         """
-        chunk = self.effective_chunk_bytes
-        if self.chunk_bytes is not None:
+        chunk = self.chunk_for_source(network=network)
+        if self.chunk_bytes is not None or (self.adaptive_workers and not network):
             return chunk
         per_worker = total_bytes // (self._fit_workers * RANGES_PER_WORKER)
         # A power of two keeps ranges aligned for O_DIRECT and sizes predictable.
@@ -279,7 +293,7 @@ class Settings:
     def workers_for_chunk(self, chunk: int) -> int:
         """Workers that may run at once without exceeding the bytes-in-flight budget;
         with auto workers, the most the adaptive limit may climb to."""
-        return min(self._split_workers, max(1, self.bytes_in_flight // chunk))
+        return min(self._split_workers(True), max(1, self.bytes_in_flight // chunk))
 
     @property
     def effective_workers(self) -> int:

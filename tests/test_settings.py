@@ -164,6 +164,10 @@ def test_auto_workers_split_the_budget_for_the_most_readers_auto_may_run() -> No
     fixed = from_env({"LOADERPLUG_HYDRATE_WORKERS": "16"})
     assert s.chunk_for_job(1024 * MiB) == fixed.chunk_for_job(1024 * MiB) == 8 * MiB
     assert s.chunk_for_job(4096 * MiB) == 16 * MiB
+    # From a local disk auto reads long ranges, at most 8 at once, whatever the job.
+    assert s.chunk_for_job(1024 * MiB, network=False) == 64 * MiB
+    assert s.workers_for_chunk(64 * MiB) == 8
+    assert fixed.chunk_for_job(1024 * MiB, network=False) == 8 * MiB
     # An explicit chunk leaves room for fewer readers within the same budget.
     explicit = from_env({"LOADERPLUG_HYDRATE_WORKERS": "auto", "LOADERPLUG_CHUNK_BYTES": "64M"})
     assert explicit.effective_workers == 8
