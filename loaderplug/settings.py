@@ -42,7 +42,7 @@ RANGES_PER_WORKER = 8
 AUTO_MAX_WORKERS = 32
 # ... and when it is on a local disk, which has no per-stream cap: few long ranges beat
 # many short ones there (8 x 64 MiB was the best fixed setting on local disk in five of
-# six runs of benchmarks/auto_bench.py, 4-28% ahead of 8 x 16 MiB).
+# six runs of benchmarks/auto_bench.py, and 5-29% ahead of 8 x 16 MiB in all six).
 AUTO_LOCAL_WORKERS = 8
 # ... and where auto starts, which small jobs' ranges are fitted for. A model of a GiB
 # is copied in a few seconds, too few windows to climb from far below: starting at 16
