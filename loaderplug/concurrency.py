@@ -234,10 +234,9 @@ class AdaptiveLimit(ConcurrencyLimit):
             # A read from before the last drop: the storm that drop answered. Its first
             # error saw reads still going that failed a moment later; follow the storm
             # down to the reads that are left, no lower than the drop allowed.
-            if self._storm_floor <= still_reading < self.limit:
-                self._move(now, still_reading)
-            elif still_reading < self._storm_floor < self.limit:
-                self._move(now, self._storm_floor)
+            target = max(self._storm_floor, still_reading)
+            if target < self.limit:
+                self._move(now, target)
             return
         self._cap, self._cap_until = max(1, self.limit - 1), now + CAP_HOLD_S
         # Down to the reads still going (the storage refused one more), but never below

@@ -240,7 +240,7 @@ class Settings:
         """``LOADERPLUG_HYDRATE_WORKERS=auto``: the engine adapts concurrency as it runs."""
         return self.hydrate_workers == "auto"
 
-    def _split_workers(self, network: bool) -> int:
+    def _split_workers(self, *, network: bool) -> int:
         """The worker count the budget is divided by to derive a range size: with auto,
         the most readers it may climb to from a ``network`` source or a local one."""
         if self.hydrate_workers != "auto":
@@ -267,7 +267,7 @@ class Settings:
         """
         if self.chunk_bytes is not None:
             return self.chunk_bytes
-        share = min(64 * MiB, self.bytes_in_flight // self._split_workers(network))
+        share = min(64 * MiB, self.bytes_in_flight // self._split_workers(network=network))
         return max(4 * KiB, share // (4 * KiB) * (4 * KiB))
 
     def chunk_for_job(self, total_bytes: int, *, network: bool = True) -> int:
@@ -293,7 +293,7 @@ class Settings:
     def workers_for_chunk(self, chunk: int) -> int:
         """Workers that may run at once without exceeding the bytes-in-flight budget;
         with auto workers, the most the adaptive limit may climb to."""
-        return min(self._split_workers(True), max(1, self.bytes_in_flight // chunk))
+        return min(self._split_workers(network=True), max(1, self.bytes_in_flight // chunk))
 
     @property
     def effective_workers(self) -> int:

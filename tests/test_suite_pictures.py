@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import sys
 from pathlib import Path
@@ -22,7 +23,9 @@ TABLE = """# Adaptive concurrency
 """
 
 
+@functools.cache
 def _suite():  # type: ignore[no-untyped-def]
+    """benchmarks/suite.py, loaded once (benchmarks/ is not a package)."""
     spec = importlib.util.spec_from_file_location("suite", SUITE)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
