@@ -37,11 +37,10 @@ from pathlib import Path
 
 from common import drop_cache, write_results
 
-from loaderplug.settings import format_size
 from loaderplug.testing.model import write_model
 from loaderplug.testing.volume import Fault, VolumeProfile, fuse_unavailable_reason, mounted
+from loaderplug.units import MiB, format_size
 
-MiB = 1 << 20
 HERE = Path(__file__).resolve().parent
 ENOMEM_OVER = 6
 PROFILES: dict[str, VolumeProfile | None] = {

@@ -33,7 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import drop_cache, run_child, write_results
 from hydrate_bench import PROFILE, ram_dir
 
-MiB = 1 << 20
+from loaderplug.units import MiB
+
 HERE = Path(__file__).resolve().parent
 CONTENDERS = ("loaderplug + fastsafetensors", "fastsafetensors")
 

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from common import drop_cache  # benchmarks/ is on sys.path when this runs as a script
 
-MiB = 1 << 20
+from loaderplug.units import MiB
 
 
 def main() -> int:

@@ -40,8 +40,9 @@ import tempfile
 import time
 from pathlib import Path
 
+from loaderplug.units import MiB
+
 # Only the standard library at the top: a child's peak RSS is the contender's own.
-MiB = 1 << 20
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 REPO = "bench-org/bench-model"

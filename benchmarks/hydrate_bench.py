@@ -35,11 +35,10 @@ from pathlib import Path
 
 from common import run_parallel, run_timed
 
-from loaderplug.settings import format_size
 from loaderplug.testing.model import write_model
 from loaderplug.testing.volume import VolumeProfile, fuse_unavailable_reason, mounted
+from loaderplug.units import MiB, format_size
 
-MiB = 1 << 20
 HERE = Path(__file__).resolve().parent
 PROFILE = VolumeProfile(
     per_stream_bytes_per_s=40 * MiB, mount_bytes_per_s=320 * MiB, latency_s=0.002

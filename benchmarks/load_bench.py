@@ -28,7 +28,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import drop_cache, run_child, run_parallel, write_results
 
-MiB = 1 << 20
+from loaderplug.units import MiB
+
 HERE = Path(__file__).resolve().parent
 CONTENDERS = ("loaderplug", "safetensors mmap", "safetensors pread", "fastsafetensors", "probe")
 

@@ -31,8 +31,8 @@ from hydrate_bench import PROFILE, ram_dir
 
 from loaderplug.testing.model import write_model
 from loaderplug.testing.volume import mounted
+from loaderplug.units import MiB
 
-MiB = 1 << 20
 HERE = Path(__file__).resolve().parent
 
 

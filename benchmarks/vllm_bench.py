@@ -50,8 +50,8 @@ from hydrate_bench import PROFILE, ram_dir
 
 from loaderplug.pagecache import cached_fraction
 from loaderplug.testing.volume import fuse_unavailable_reason, mounted
+from loaderplug.units import MiB
 
-MiB = 1 << 20
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 RESULT = "RESULT "

@@ -38,9 +38,10 @@ from pathlib import Path
 from typing import Any
 
 from loaderplug.errors import LoaderplugError
-from loaderplug.fs import IOPolicy
-from loaderplug.plugins import first_result, plugin_manager
+from loaderplug.local_copies import hydrate_copy, is_mirror, local_copy
+from loaderplug.plugins import Plugins
 from loaderplug.settings import Settings, from_env
+from loaderplug.types import IOPolicy
 
 try:
     import fastsafetensors
@@ -52,8 +53,6 @@ except ImportError as exc:
         "loaderplug.integrations.fastsafetensors needs fastsafetensors: "
         "pip install 'loaderplug[fastsafetensors]'"
     ) from exc
-
-from . import volcache
 
 OLDEST = (0, 5)
 log = logging.getLogger(__name__)
@@ -87,10 +86,10 @@ def local_files(
         by_folder.setdefault(path.parent, []).append(path)
     copies: dict[Path, Path] = {}
     for folder, files in by_folder.items():
-        if not volcache.is_mirror(folder, settings):
+        if not is_mirror(folder, settings):
             continue
-        copy = volcache.local_copy(folder, settings)
-        volcache.hydrate_copy(folder, [p.name for p in files], copy, settings)
+        copy = local_copy(folder, settings)
+        hydrate_copy(folder, [p.name for p in files], copy, settings)
         copies.update({p: copy / p.name for p in files})
     return [str(copies.get(Path(raw).resolve(), raw)) for raw in paths]
 
@@ -131,12 +130,17 @@ class fastsafe_open(fst_loader.fastsafe_open):  # type: ignore[misc]
 # -- the IO policy, through the copier registry ----------------------------------------
 
 _original_nogds: Callable[..., Any] | None = None
+# The settings the copier's policy is decided with (None: the environment's, per copier).
+_policy_settings: Settings | None = None
 
 
-def install() -> None:
+def install(settings: Settings | None = None) -> None:
     """Make fastsafetensors' ``nogds`` copier read direct or buffered as loaderplug's IO
-    policy says. Idempotent; :func:`uninstall` undoes it."""
-    global _original_nogds
+    policy says, under ``settings`` (default: the environment's at each file).
+    Idempotent; :func:`uninstall` undoes it."""
+    global _original_nogds, _policy_settings
+    if settings is not None:
+        _policy_settings = settings
     if _original_nogds is not None:
         return
     original = registry._copier_registry["nogds"]  # the registry has no getter
@@ -145,7 +149,8 @@ def install() -> None:
 
 
 def uninstall() -> None:
-    global _original_nogds
+    global _original_nogds, _policy_settings
+    _policy_settings = None
     if _original_nogds is None:
         return
     registry._copier_registry["nogds"] = _original_nogds
@@ -173,9 +178,7 @@ def _policy_factory(original: Callable[..., Any]) -> Callable[..., Any]:
 
 def _apply_policy(copier: Any, path: str) -> IOPolicy:
     """Reopen the copier's descriptor direct or buffered, as loaderplug decides."""
-    settings = from_env()
-    pm = plugin_manager(settings.disable_plugins)
-    policy: IOPolicy = first_result(pm, "loaderplug_io_policy", path=path, mode=settings.direct_io)
+    policy = Plugins(_policy_settings or from_env()).io_policy(path)
     if _is_direct(copier.fd) != policy.direct:
         fd = _open(path, policy.direct)
         os.close(copier.fd)
@@ -230,10 +233,12 @@ def hydrate_before_vllm_load() -> None:
 # -- volcache's reading backend ----------------------------------------------------------
 
 
-def iter_tensors(paths: list[Path], device: str = "cpu") -> Iterator[tuple[str, Any]]:
+def iter_tensors(
+    paths: list[Path], settings: Settings | None = None, device: str = "cpu"
+) -> Iterator[tuple[str, Any]]:
     """Every tensor of local ``paths`` through fastsafetensors (``nogds`` where there is
-    no GPU), the direct/buffered choice made by loaderplug's policy."""
-    install()
+    no GPU), the direct/buffered choice made by loaderplug's policy under ``settings``."""
+    install(settings)
     no_gds = device == "cpu"
     with fst_loader.fastsafe_open([str(p) for p in paths], device=device, nogds=no_gds) as f:
         for name in f.keys():  # noqa: SIM118 - fastsafe_open is not a mapping

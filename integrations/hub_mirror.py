@@ -11,7 +11,7 @@
 The listing is what makes a mirror trustworthy: it names every file of the commit with
 its size and etag, so a hydrate knows whether the mirror holds everything a call's
 patterns select, and refuses a blob whose size or content does not match its name.
-Blobs are copied by the range engine (:func:`loaderplug.volume.select`), verified before
+Blobs are copied by the range engine (:func:`loaderplug.transfers.select`), verified before
 they are published, and the snapshot links follow them; a ref is written last, so a
 reader that finds it finds the whole snapshot.
 """
@@ -31,8 +31,8 @@ from pathlib import Path
 from loaderplug.errors import HydrateError, MirrorError
 from loaderplug.report import TransferReport
 from loaderplug.settings import Settings
+from loaderplug.transfers import select
 from loaderplug.tree import path_problem
-from loaderplug.volume import select
 
 COMMIT = re.compile(r"^[0-9a-f]{40}$")
 SHA256 = re.compile(r"^[0-9a-f]{64}$")
@@ -126,7 +126,7 @@ class Selection:
     refused: dict[str, str]  # repo path -> why the mirror cannot serve it
 
 
-def plan(
+def check_selection(
     folder: Path, commit: str, wanted: Sequence[str], listing: dict[str, RepoFile]
 ) -> Selection:
     """Check each wanted file's blob on the mirror against the listing, by size."""

@@ -40,7 +40,9 @@ try:
     import huggingface_hub
     from huggingface_hub import _snapshot_download, constants
     from huggingface_hub.file_download import repo_folder_name
-    from huggingface_hub.utils._paths import filter_repo_objects
+
+    # Public (documented) API, though ``utils`` does not re-export it for type checkers.
+    from huggingface_hub.utils import filter_repo_objects  # type: ignore[attr-defined]
 except ImportError as exc:  # pragma: no cover - the message is the point
     raise ImportError(
         "loaderplug.integrations.huggingface_hub needs huggingface_hub: "
@@ -48,9 +50,9 @@ except ImportError as exc:  # pragma: no cover - the message is the point
     ) from exc
 
 from loaderplug.errors import TransferFailed
-from loaderplug.plugins import plugin_manager
+from loaderplug.plugins import Plugins
 from loaderplug.settings import Settings, from_env
-from loaderplug.volume import MirrorRequest
+from loaderplug.types import MirrorRequest
 
 from . import hub_mirror
 
@@ -129,12 +131,11 @@ def _mirror_for(options: dict[str, Any], settings: Settings) -> Path | None:
     """The mirror's folder for this repo (``<hub root>/models--org--name``), or None,
     also when the local cache is the mirror itself (``HF_HOME`` on the volume)."""
     request = MirrorRequest("hub", options["repo_id"], _revision(options))
-    pm = plugin_manager(settings.disable_plugins)
-    root = pm.hook.loaderplug_find_mirror(request=request)
+    root = Plugins(settings).find_mirror(request)
     if root is None:
         return None
     name = repo_folder_name(repo_id=options["repo_id"], repo_type=_repo_type(options))
-    mirror = Path(root) / name
+    mirror = root / name
     if options.get("local_dir") is None and mirror.resolve() == _cache_folder(options):
         return None
     return mirror
@@ -167,7 +168,7 @@ def _from_mirror(mirror: Path, options: dict[str, Any], settings: Settings) -> s
     if commit is None or listing is None:
         log.debug("loaderplug: %s@%s is not on the mirror %s", options["repo_id"], revision, mirror)
         return None
-    selection = hub_mirror.plan(mirror, commit, _wanted(listing, options), listing)
+    selection = hub_mirror.check_selection(mirror, commit, _wanted(listing, options), listing)
     local_dir = options.get("local_dir")
     if local_dir is not None:
         target = Path(local_dir).expanduser().resolve()

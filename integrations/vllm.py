@@ -82,10 +82,8 @@ def settings_from_extra_config(extra: Mapping[str, Any] | None) -> Settings:
         try:
             settings = settings.replace(**{EXTRA_CONFIG[key]: value})
         except SettingsError as exc:
-            raise ValueError(
-                f"--load-format {LOAD_FORMAT}: --model-loader-extra-config {key}={value!r} "
-                f"is invalid ({exc}); valid keys: {valid}"
-            ) from exc
+            option = exc.renamed(f"--model-loader-extra-config {key}")
+            raise ValueError(f"--load-format {LOAD_FORMAT}: {option}; valid keys: {valid}") from exc
     return settings
 
 
@@ -127,9 +125,11 @@ def _loader_class() -> type:
                 _check_every_parameter_loaded(model, set(loaded))
 
         def _weights(self, model_config: ModelConfig) -> Any:
-            plan = volcache.plan(model_config.model, model_config.revision, self.settings)
-            log.info("loaderplug: %s", volcache.describe(plan))
-            return volcache.stream(plan, self.settings)
+            weights = volcache.locate_weights(
+                model_config.model, model_config.revision, self.settings
+            )
+            log.info("loaderplug: %s", volcache.describe(weights))
+            return volcache.stream(weights, self.settings)
 
     return VolcacheModelLoader
 

@@ -1,7 +1,8 @@
 """loaderplug: fast, safe model cold starts.
 
-Range-parallel hydrate from a volume mirror to local disk, and sync back, with pluggy
-hooks for locating mirrors, choosing IO policy, opening sources and observing progress.
+Range-parallel hydrate from a volume mirror to local disk, and sync back, a streaming
+safetensors reader, and pluggy hooks for locating mirrors, choosing IO policy, opening
+sources and observing progress.
 """
 
 from loaderplug.errors import (
@@ -14,19 +15,16 @@ from loaderplug.errors import (
     SettingsError,
     TransferFailed,
 )
-from loaderplug.fs import IOPolicy
 from loaderplug.hookspecs import hookimpl
-from loaderplug.report import FileResult, TransferReport
+from loaderplug.report import TransferReport
 from loaderplug.settings import Settings, from_env
-from loaderplug.volume import MirrorRequest, hydrate, sync
-
-HydrateReport = TransferReport
+from loaderplug.transfers import hydrate, sync
+from loaderplug.types import FileResult, IOPolicy, MirrorRequest
 
 __all__ = [
     "FileResult",
     "FormatError",
     "HydrateError",
-    "HydrateReport",
     "IOPolicy",
     "LoaderplugError",
     "LockError",
@@ -58,12 +56,7 @@ def __getattr__(name: str) -> object:
 
 def io_policy(path: str, direct_io: str | None = None) -> IOPolicy:
     """How loaderplug would read ``path`` (``direct_io``: auto, on or off)."""
-    from loaderplug.plugins import first_result, plugin_manager
+    from loaderplug.plugins import Plugins
 
     settings = from_env() if direct_io is None else from_env(direct_io=direct_io)
-    return first_result(  # type: ignore[no-any-return]
-        plugin_manager(settings.disable_plugins),
-        "loaderplug_io_policy",
-        path=str(path),
-        mode=settings.direct_io,
-    )
+    return Plugins(settings).io_policy(path)

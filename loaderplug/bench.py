@@ -23,17 +23,16 @@ import os
 import threading
 import time
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
-import pluggy
-
-from loaderplug.engine import TRANSIENT_ERRNOS
 from loaderplug.errors import LoaderplugError
-from loaderplug.fs import IOPolicy
-from loaderplug.plugins import first_result, plugin_manager
-from loaderplug.settings import GiB, MiB, Settings, format_size, from_env
-from loaderplug.source import Source, aligned_buffer
+from loaderplug.plugins import Plugins
+from loaderplug.retry import RetryPolicy, retrying
+from loaderplug.settings import Settings, from_env
+from loaderplug.source import aligned_buffer
+from loaderplug.types import IOPolicy
+from loaderplug.units import GiB, MiB, format_size
 
 # The sweep: (workers, range size). Few large ranges suit network volumes; many
 # streams suit per-stream-capped object stores. Bytes in flight stay at or under 1 GiB,
@@ -170,14 +169,15 @@ def run_bench(
     """Sweep ``grid`` over the files under ``path``, read-only, within the budgets."""
     settings = settings or from_env()
     files = _list_files(Path(path))
-    pm = plugin_manager(settings.disable_plugins)
-    policy: IOPolicy = first_result(
-        pm, "loaderplug_io_policy", path=files[0][0], mode=settings.direct_io
-    )
+    plugins = Plugins(settings)
+    policy = plugins.io_policy(files[0][0])
     cursor = _Cursor(files)
     slice_s = seconds / len(grid)
     byte_budget = max_bytes // len(grid)
-    trials = [_trial(Trial(w, c), cursor, policy, pm, slice_s, byte_budget) for w, c in grid]
+    retry = RetryPolicy.of(settings)
+    trials = [
+        _trial(Trial(w, c), cursor, policy, plugins, retry, slice_s, byte_budget) for w, c in grid
+    ]
     mode = "direct" if policy.direct else "buffered"
     return BenchResult(str(path), f"read {mode} ({policy.reason})", trials)
 
@@ -186,7 +186,8 @@ def _trial(
     trial: Trial,
     cursor: _Cursor,
     policy: IOPolicy,
-    pm: pluggy.PluginManager,
+    plugins: Plugins,
+    retry: RetryPolicy,
     seconds: float,
     byte_budget: int,
 ) -> Trial:
@@ -195,6 +196,10 @@ def _trial(
     deadline = started + seconds
     reserved = [0]  # bytes claimed by reads started, so the budget is never overshot
     failures: list[BaseException] = []
+
+    def transient(exc: OSError) -> None:
+        with lock:
+            trial.transient_errors += 1
 
     def worker() -> None:
         buffer = aligned_buffer(trial.chunk_bytes)
@@ -207,12 +212,10 @@ def _trial(
                         return
                     reserved[0] += claim
                 path, offset, length = cursor.next(claim)
-                got = _read(pm, path, policy, view, offset, length)
+                # Retried as a hydrate retries a range: the time it costs is the setting's.
+                got = _read(plugins, path, policy, view, offset, length, retry, transient)
                 with lock:
-                    if got < 0:
-                        trial.transient_errors += 1
-                    else:
-                        trial.bytes_read += got
+                    trial.bytes_read += got
         except BaseException as exc:  # reported after the trial: the bench stops
             # Drop the frames, so no slice of the buffer stays referenced by the error.
             traceback.clear_frames(exc.__traceback__)
@@ -233,18 +236,39 @@ def _trial(
     return trial
 
 
+class _GaveUp(Exception):
+    """A read still failing transiently after every retry: counted, and skipped."""
+
+
 def _read(
-    pm: pluggy.PluginManager, path: str, policy: IOPolicy, view: memoryview, offset: int, n: int
+    plugins: Plugins,
+    path: str,
+    policy: IOPolicy,
+    view: memoryview,
+    offset: int,
+    n: int,
+    retry: RetryPolicy,
+    on_transient: Callable[[OSError], None],
 ) -> int:
-    """Bytes read, or -1 on a transient error; other errors end the bench."""
-    source: Source = first_result(pm, "loaderplug_open_source", path=path, policy=policy)
+    """Bytes read (0 when transient errors outlasted the retries); any other error ends
+    the bench."""
+
+    def read() -> int:
+        source = plugins.open_source(path, policy)
+        try:
+            # Direct reads want whole blocks: round the length up (the buffer has room).
+            want = -(-n // 4096) * 4096 if policy.direct else n
+            return min(source.pread_into(view[: min(want, len(view))], offset), n)
+        finally:
+            source.close()
+
+    def give_up(exc: OSError, attempts: int | None) -> Exception:
+        if attempts is not None:
+            return _GaveUp()
+        return LoaderplugError(f"{path}: reading failed: {exc.strerror or exc}")
+
     try:
-        # Direct reads want whole blocks: round the length up (the buffer has room).
-        want = -(-n // 4096) * 4096 if policy.direct else n
-        return min(source.pread_into(view[: min(want, len(view))], offset), n)
-    except OSError as exc:
-        if exc.errno in TRANSIENT_ERRNOS:
-            return -1
-        raise LoaderplugError(f"{path}: reading failed: {exc.strerror or exc}") from exc
-    finally:
-        source.close()
+        got, _ = retrying(read, retry, give_up, on_transient=on_transient)
+    except _GaveUp:
+        return 0
+    return got

@@ -17,11 +17,16 @@ from typing import Any
 from loaderplug.errors import LoaderplugError, SettingsError
 from loaderplug.report import TransferReport
 from loaderplug.settings import BY_FIELD, Settings, from_env
-from loaderplug.volume import hydrate, sync
+from loaderplug.transfers import hydrate, sync
+from loaderplug.units import MiB, parse_size
 
 EXIT_FAILED = 1
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
+
+
+class _UsageError(Exception):
+    """The command line asks for something impossible (exit code 2)."""
 
 
 def _add_transfer_args(parser: argparse.ArgumentParser, src_help: str, dst_help: str) -> None:
@@ -86,14 +91,14 @@ FLAGS = {
 
 def _settings_from_flags(args: argparse.Namespace) -> Settings:
     """Settings from the environment, overridden by flags; a bad flag is named as such."""
-    overrides = {field: getattr(args, flag) for field, flag in FLAGS.items()}
     base = from_env()
-    for field, raw in overrides.items():
+    for field, flag in FLAGS.items():
         try:
-            base = base.replace(**{field: raw})
+            base = base.replace(**{field: getattr(args, flag)})
         except SettingsError as exc:
-            option = "--" + FLAGS[field].replace("_", "-")
-            raise SettingsError(str(exc).replace(BY_FIELD[field].name, option)) from None
+            if exc.variable != BY_FIELD[field].name:
+                raise
+            raise exc.renamed("--" + flag.replace("_", "-")) from None
     return base
 
 
@@ -112,7 +117,7 @@ def _load(args: argparse.Namespace) -> int:
     if args.src:
         paths = [Path(args.src) / p for p in paths] or sorted(Path(args.src).glob("*.safetensors"))
     if not paths:
-        raise SettingsError("nothing to load: name safetensors files, or a folder with --from")
+        raise _UsageError("nothing to load: name safetensors files, or a folder with --from")
     stats: dict[str, Any] = {}
     count = nbytes = 0
     for _name, tensor in iter_tensors(paths, args.device, local_dir=args.dst, stats=stats):
@@ -132,7 +137,7 @@ def _load(args: argparse.Namespace) -> int:
         print(json.dumps(figures, indent=2))
     else:
         print(
-            f"loaded {count} tensors ({nbytes / (1 << 20):.1f} MiB) in {report.seconds:.2f} s "
+            f"loaded {count} tensors ({nbytes / MiB:.1f} MiB) in {report.seconds:.2f} s "
             f"({report.mib_per_s:.1f} MiB/s); first tensor after {figures['first_tensor_s']} s"
         )
         for path, mode in figures["io"].items():
@@ -142,11 +147,12 @@ def _load(args: argparse.Namespace) -> int:
 
 def _bench(args: argparse.Namespace) -> int:
     from loaderplug.bench import run_bench
-    from loaderplug.settings import parse_size
 
     if args.seconds <= 0:
-        raise SettingsError(f"--seconds={args.seconds} is invalid: expected a positive number")
-    max_bytes = parse_size(args.max_bytes, "--max-bytes")
+        raise SettingsError("--seconds", args.seconds, "a positive number")
+    max_bytes = parse_size(args.max_bytes)
+    if max_bytes is None:
+        raise SettingsError("--max-bytes", args.max_bytes, "a size such as 64M or 1GiB")
     result = run_bench(args.path, seconds=args.seconds, max_bytes=max_bytes)
     print(json.dumps(result.to_dict(), indent=2) if args.json else result.summary())
     return 0
@@ -184,6 +190,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("loaderplug: interrupted; temp files removed", file=sys.stderr)
         return EXIT_INTERRUPTED
-    except (LoaderplugError, OSError) as exc:
+    except (LoaderplugError, OSError, _UsageError) as exc:
         print(f"loaderplug: error: {exc}", file=sys.stderr)
         return EXIT_USAGE

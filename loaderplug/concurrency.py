@@ -7,7 +7,7 @@ limit while the copy runs:
 
 * **Grow** while throughput rises: every window (a quarter second or more, begun after
   the time the readers a step added need for their first read, as the last window's
-  reads took, at most ``MAX_SETTLE_S``) compares the bytes landed per
+  reads took, at most ``MAX_SETTLE_S``) compares the bytes read per
   second with the last window's, at the last limit. A gain of at least
   ``GAIN`` doubles the limit at first (a slow start, as TCP's: a model of a few GiB is
   copied in seconds, too few windows to climb from 16 to 32 by small steps) and raises
@@ -44,7 +44,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from loaderplug.settings import AUTO_START_WORKERS
+from loaderplug.ranges import AUTO_START_WORKERS
+from loaderplug.retry import Cancelled
 
 WINDOW_S = 0.25  # shortest measuring window
 SETTLE_S = 0.1  # after a change, time for new readers to reach speed before measuring
@@ -57,10 +58,6 @@ PROBE_EVERY = 8  # windows held between two probes one step up
 log = logging.getLogger(__name__)
 
 
-class Cancelled(Exception):
-    """The job was cancelled while waiting for a slot."""
-
-
 @dataclass(eq=False)
 class Slot:
     """One reader's permission to read; ``drops`` counts the limit's drops before it."""
@@ -70,9 +67,9 @@ class Slot:
     held: bool = True
     backing_off: bool = False  # between a transient error and its retry
 
-    def landed(self, nbytes: int, seconds: float) -> None:
+    def read_done(self, nbytes: int, seconds: float) -> None:
         """``nbytes`` arrived from the storage in one read that took ``seconds``."""
-        self.limit.landed(nbytes, seconds)
+        self.limit.read_done(nbytes, seconds)
 
     def transient_error(self) -> None:
         self.limit.transient_error(self)
@@ -85,6 +82,8 @@ class Slot:
 
 class ConcurrencyLimit:
     """A counting gate with a limit; subclasses decide how the limit moves."""
+
+    adaptive = False  # whether the limit moves on its own as reads report back
 
     def __init__(self, limit: int, ceiling: int) -> None:
         self.ceiling = max(1, ceiling)
@@ -134,7 +133,7 @@ class ConcurrencyLimit:
                 self._backing_off -= 1
             slot.drops = self.drops
 
-    def landed(self, nbytes: int, seconds: float) -> None:
+    def read_done(self, nbytes: int, seconds: float) -> None:
         """Fixed limits do not measure."""
 
     def _overloaded(self, slot: Slot) -> None:
@@ -190,6 +189,8 @@ class _Window:
 class AdaptiveLimit(ConcurrencyLimit):
     """A limit that climbs while throughput rises and drops on errors or queueing."""
 
+    adaptive = True
+
     def __init__(
         self,
         ceiling: int,
@@ -210,7 +211,7 @@ class AdaptiveLimit(ConcurrencyLimit):
 
     # -- signals from readers ------------------------------------------------------
 
-    def landed(self, nbytes: int, seconds: float) -> None:
+    def read_done(self, nbytes: int, seconds: float) -> None:
         with self._cond:
             now = self._clock()
             window = self._window
@@ -305,7 +306,7 @@ class AdaptiveLimit(ConcurrencyLimit):
         self._move(now, limit)
 
     def _move(self, now: float, limit: int) -> None:
-        # Bytes count when a read lands, so the first window after a step up must wait
+        # Bytes count when a read is done, so the first window after a step up must wait
         # for the new readers' first reads, which take longer now that more share the
         # storage: measured sooner, the step shows the old readers slowing down and not
         # yet what the new ones bring, and looks like no gain.

@@ -13,7 +13,7 @@ from contextlib import ExitStack
 from pathlib import Path
 
 from loaderplug.testing.model import write_model
-from loaderplug.volume import hydrate
+from loaderplug.transfers import hydrate
 
 
 def run_demo(size_mib: int = 256, shards: int = 4) -> int:

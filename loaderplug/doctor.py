@@ -6,16 +6,17 @@ import os
 from collections.abc import Sequence
 
 from loaderplug.fs import find_mount
-from loaderplug.plugins import first_result, plugin_manager
-from loaderplug.settings import REGISTRY, format_size, from_env
+from loaderplug.plugins import Plugins
+from loaderplug.settings import REGISTRY, from_env
+from loaderplug.units import format_size
 
 
 def doctor(paths: Sequence[str], environ: dict[str, str] | None = None) -> str:
     settings = from_env(environ if environ is not None else os.environ)
-    pm = plugin_manager(settings.disable_plugins)
+    plugins = Plugins(settings)
     lines = []
     for path in paths:
-        policy = first_result(pm, "loaderplug_io_policy", path=path, mode=settings.direct_io)
+        policy = plugins.io_policy(path)
         mount = find_mount(path)
         where = f" on {mount.mount_point} ({mount.source})" if mount else ""
         mode = f"direct, {policy.alignment}-byte aligned" if policy.direct else "buffered"
@@ -25,5 +26,5 @@ def doctor(paths: Sequence[str], environ: dict[str, str] | None = None) -> str:
     for var in REGISTRY:
         value = getattr(settings, var.field)
         shown = format_size(value) if var.kind == "size" and value is not None else value
-        lines.append(f"  {var.name}={shown}  ({settings.sources.get(var.field, 'default')})")
+        lines.append(f"  {var.name}={shown}  ({settings.origins.get(var.field, 'default')})")
     return "\n".join(lines)

@@ -1,57 +1,51 @@
-"""The range executor: N readers pull spans from one lazy plan; writers land them in sinks.
+"""The range executor: N readers pull spans from one lazy order; writers land them in sinks.
+
+The engine receives what it uses and nothing more: a source opener, a concurrency limit,
+a range size, a retry policy and an observer. It returns the :class:`EngineStats` of its
+run. Locking, skipping, reporting and plugins are the runner's business
+(:mod:`loaderplug.runner`).
 
 * Memory is bounded by one pool of aligned buffers, ``bytes in flight / chunk`` of them:
   at most ``workers x chunk`` bytes are being read from the volume at once. How many
-  readers read at once is a :mod:`loaderplug.concurrency` limit: fixed, or adaptive
-  with ``LOADERPLUG_HYDRATE_WORKERS=auto``. When the
-  budget holds more buffers than workers (small jobs get smaller ranges), the spares let
-  a reader start its next range while its last one is still being written to disk.
-* Each span is read with ``pread`` from a source the reader opened itself, into a
-  buffer of its own, then written with ``pwrite`` to every sink of its file.
-* ENOMEM, EIO and EAGAIN are retried per span with exponential backoff and full jitter;
-  any other error, or exhausted retries, fails that file only. Its remaining spans are
-  skipped and its sinks aborted; other files carry on.
-* The source's identity, pinned before the copy, is checked at every open and after
-  every read, and once more before commit: a file that changes underneath fails instead
-  of publishing mixed bytes.
-* Cancellation (Ctrl-C) is seen between reads and during backoff, so workers stop within
-  about one span's time; unfinished sinks are aborted before the interrupt propagates.
+  readers read at once is a :mod:`loaderplug.concurrency` limit: fixed, or adaptive.
+  When the budget holds more buffers than readers (small jobs get smaller ranges), the
+  spares let a reader start its next range while its last one is still being written.
+* Each span is read with ``pread`` from a source the reader opened itself (once per file
+  it reads from), into a buffer of its own, then written to every sink of its file.
+* ENOMEM, EIO and EAGAIN are retried per span with exponential backoff and full jitter
+  (:mod:`loaderplug.retry`); any other error, or exhausted retries, fails that file only.
+  Its remaining spans are skipped and its sinks aborted; other files carry on.
+* The source's identity, pinned before the copy, is checked after every read step, and
+  once more through a fresh open before commit: a file that changes underneath fails
+  instead of publishing mixed bytes.
+* Cancellation (Ctrl-C, :meth:`Engine.cancel`) is seen between reads and during backoff,
+  so workers stop within about one span's time; every unfinished sink is aborted before
+  :meth:`Engine.run` returns or raises.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
-import errno as errno_mod
 import functools
 import logging
 import mmap
 import queue
-import random
 import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
-import pluggy
-
-from loaderplug.concurrency import (
-    AdaptiveLimit,
-    Cancelled,
-    ConcurrencyLimit,
-    FixedLimit,
-    Slot,
-)
+from loaderplug.concurrency import ConcurrencyLimit, Slot
 from loaderplug.errors import HydrateError
-from loaderplug.fs import IOPolicy, is_network_type
-from loaderplug.plugins import first_result
-from loaderplug.ranges import Span, count_spans, plan
-from loaderplug.report import FileResult
-from loaderplug.settings import Settings
+from loaderplug.ranges import Span, count_spans, offset_major
+from loaderplug.retry import Cancelled, RetryPolicy, retrying
 from loaderplug.sinks import PlacingSink, Sink
-from loaderplug.source import Identity, Source, aligned_buffer
+from loaderplug.source import aligned_buffer
+from loaderplug.types import FileResult, Identity, IOPolicy, Source, Status
 
-TRANSIENT_ERRNOS = frozenset({errno_mod.ENOMEM, errno_mod.EIO, errno_mod.EAGAIN})
 # Ranges are read in steps of this size (a multiple of every O_DIRECT alignment): reads
 # straight into a sink's memory hand each step on, so tensors complete as their own bytes
 # land, mid-range, and the adaptive limit sees throughput and latency step by step.
@@ -59,25 +53,48 @@ READ_STEP = 4 * 1024 * 1024
 # Buffers have this much room past a chunk, so a read padded up to the O_DIRECT alignment
 # (at most 64 KiB, see fs.direct_io_alignment) still fits.
 READ_PADDING = 64 * 1024
+# Sources a reader keeps open at once: offset-major order moves a reader from file to
+# file, and each comes round again a few spans later.
+OPEN_SOURCES_PER_READER = 8
 log = logging.getLogger(__name__)
 
+Opener = Callable[[str, IOPolicy], Source]
 
-def backoff_s(settings: Settings, attempt: int) -> float:
-    """Seconds to wait before retry ``attempt + 1``: exponential, with full jitter, so
-    retries from many workers spread out instead of hitting the volume in lockstep."""
-    ceiling_ms = min(settings.retry_max_ms, settings.retry_base_ms * 2**attempt)
-    return random.uniform(0, ceiling_ms) / 1000
+
+class EngineObserver(Protocol):
+    """Hears of progress, on worker threads; must not raise (the runner's guards)."""
+
+    def range_done(self, rel: str, offset: int, length: int, retries: int) -> None: ...
+
+    def file_done(self, result: FileResult) -> None: ...
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """What one run did: a result per finished file, bytes landed, retries, and the
+    concurrency it ended at (with an adaptive limit, the range it moved in)."""
+
+    results: list[FileResult]
+    bytes_copied: int
+    retries: int
+    chunk: int
+    workers: int
+    workers_range: tuple[int, int] | None
+    cancelled: bool
 
 
 @dataclass(eq=False)
-class FileJob:
-    """One file to copy: where it comes from, what it must look like, where it goes."""
+class FileTask:
+    """One file of a job: where it comes from, what it must look like, where it goes."""
 
     rel: str
     src: str
     identity: Identity
     sinks: list[Sink]
     policy: IOPolicy
+    # What the file's result says once every sink committed: restored when one of them
+    # published a copy, loaded when they only took its bytes (tensors).
+    outcome: Status = "restored"
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _begun: bool = False
     _remaining: int = 0
@@ -130,9 +147,9 @@ class FileJob:
             sink.abort()
         return True
 
-    def mark_restored(self) -> None:
+    def finished(self, result: FileResult) -> None:
         with self._lock:
-            self.result = FileResult(self.rel, "restored", self.size)
+            self.result = result
             self._done = True
 
     def abort_unfinished(self) -> None:
@@ -144,16 +161,12 @@ class FileJob:
             sink.abort()
 
 
-def _describe(identity: Identity) -> str:
-    return f"size {identity.size}, mtime_ns {identity.mtime_ns}, inode {identity.inode}"
-
-
-def check_identity(job: FileJob, now: Identity) -> None:
-    if now != job.identity:
+def check_identity(task: FileTask, now: Identity) -> None:
+    if now != task.identity:
         raise HydrateError(
-            f"source changed while being copied (was {_describe(job.identity)}, "
-            f"now {_describe(now)}); run again once the mirror holds still",
-            path=job.src,
+            f"source changed while being copied (was {task.identity.describe()}, "
+            f"now {now.describe()}); run again once the mirror holds still",
+            path=task.src,
         )
 
 
@@ -198,7 +211,7 @@ class BufferPool:
 class _Write:
     """One read piece waiting for the writers; ``span_left`` is shared by its span."""
 
-    job: FileJob
+    task: FileTask
     span: Span
     offset: int
     length: int
@@ -207,32 +220,74 @@ class _Write:
     placed: memoryview | None = None  # bytes read straight into a sink's own memory
 
 
+class _OpenSources:
+    """The sources one reader has open, the least recently used closed past a few."""
+
+    def __init__(self, opener: Opener) -> None:
+        self._opener = opener
+        self._open: collections.OrderedDict[FileTask, Source] = collections.OrderedDict()
+
+    def get(self, task: FileTask) -> Source:
+        source = self._open.get(task)
+        if source is not None:
+            self._open.move_to_end(task)
+            return source
+        source = self._opener(task.src, task.policy)
+        try:
+            check_identity(task, source.identity())
+        except BaseException:
+            source.close()
+            raise
+        self._open[task] = source
+        if len(self._open) > OPEN_SOURCES_PER_READER:
+            _, oldest = self._open.popitem(last=False)
+            oldest.close()
+        return source
+
+    def drop(self, task: FileTask) -> None:
+        """Close ``task``'s source: after an error it may be in a bad state."""
+        source = self._open.pop(task, None)
+        if source is not None:
+            source.close()
+
+    def close(self) -> None:
+        while self._open:
+            _, source = self._open.popitem()
+            source.close()
+
+
 class Engine:
     """Runs one job's spans over a pool of reader threads and a pool of writer threads."""
 
     def __init__(
         self,
-        settings: Settings,
-        pm: pluggy.PluginManager,
         *,
-        job: str,
+        open_source: Opener,
+        limit: ConcurrencyLimit,
+        chunk: int,
+        split_threshold: int,
+        buffers: int,
+        retry: RetryPolicy,
+        observer: EngineObserver,
         on_bytes: Callable[[int], None] | None = None,
+        name: str = "job",
     ) -> None:
-        self.settings = settings
-        self.pm = pm
-        self.job = job
-        self.chunk = settings.effective_chunk_bytes
-        self.workers = settings.effective_workers
+        self.open_source = open_source
+        self.limit = limit
+        self.chunk = chunk
+        self.split_threshold = split_threshold
+        self.retry = retry
+        self.observer = observer
         self.on_bytes = on_bytes
-        self.retries = 0
-        self.bytes_copied = 0
+        self.name = name
+        self._retries = 0
+        self._bytes_copied = 0
         self._cancel = threading.Event()
         self._lock = threading.Lock()
         self._spans: Iterator[Span] = iter(())
-        self._files: Sequence[FileJob] = ()
+        self._tasks: Sequence[FileTask] = ()
         self._writes: queue.SimpleQueue[_Write | None] = queue.SimpleQueue()
-        self._pool = BufferPool(0, 0)
-        self.limit: ConcurrencyLimit = FixedLimit(self.workers)
+        self._pool = BufferPool(max(buffers, limit.ceiling), chunk + READ_PADDING)
         self._crash: BaseException | None = None
 
     def cancel(self) -> None:
@@ -241,23 +296,14 @@ class Engine:
 
     # -- orchestration ------------------------------------------------------------
 
-    def run(self, files: Sequence[FileJob]) -> list[FileResult]:
-        """Copy every file; returns one result per file. Re-raises KeyboardInterrupt."""
-        threshold = self.settings.split_threshold_bytes
-        # Whether any source is on a network filesystem: auto splits the budget for many
-        # readers there, for few long ranges on a local disk.
-        network = any(is_network_type(f.policy.fs_type) for f in files)
-        self.chunk = self.settings.chunk_for_job(sum(f.size for f in files), network=network)
-        self.workers = self.settings.workers_for_chunk(self.chunk)
-        spans_per_file = [count_spans(f.size, self.chunk, threshold) for f in files]
-        for job, count in zip(files, spans_per_file, strict=True):
-            job.expect_spans(count)
-        self._files = files
-        self._spans = plan([f.size for f in files], self.chunk, threshold)
-        count = min(self.workers, sum(spans_per_file))
-        self.limit = AdaptiveLimit(count) if self.settings.adaptive_workers else FixedLimit(count)
-        buffers = max(count, self.settings.bytes_in_flight // self.chunk)
-        self._pool = BufferPool(buffers, self.chunk + READ_PADDING)
+    def run(self, tasks: Sequence[FileTask]) -> EngineStats:
+        """Copy every file. Re-raises KeyboardInterrupt (and a worker's crash) after
+        aborting every unfinished file's sinks."""
+        for task in tasks:
+            task.expect_spans(count_spans(task.size, self.chunk, self.split_threshold))
+        self._tasks = tasks
+        self._spans = offset_major([t.size for t in tasks], self.chunk, self.split_threshold)
+        count = self.limit.ceiling
         readers = [self._thread(self._reader, f"read-{i}") for i in range(count)]
         writers = [self._thread(self._writer, f"write-{i}") for i in range(count)]
         try:
@@ -269,21 +315,29 @@ class Engine:
             self._join(writers)
         except BaseException:
             self._cancel.set()
-            try:
-                for _ in writers:
-                    self._writes.put(None)
-                self._join(readers + writers)
-            finally:
-                for job in files:
-                    job.abort_unfinished()
+            for _ in writers:
+                self._writes.put(None)
+            self._join(readers + writers)
             raise
         finally:
+            for task in tasks:
+                task.abort_unfinished()
             self._pool.close()
         if self._crash is not None:
-            for job in files:
-                job.abort_unfinished()
             raise self._crash
-        return [job.result for job in files if job.result is not None]
+        return self._stats(tasks)
+
+    def _stats(self, tasks: Sequence[FileTask]) -> EngineStats:
+        limit = self.limit
+        return EngineStats(
+            results=[t.result for t in tasks if t.result is not None],
+            bytes_copied=self._bytes_copied,
+            retries=self._retries,
+            chunk=self.chunk,
+            workers=limit.limit,
+            workers_range=(limit.lowest, limit.highest) if limit.adaptive else None,
+            cancelled=self._cancel.is_set(),
+        )
 
     def _thread(self, target: Callable[[], None], name: str) -> threading.Thread:
         def guarded() -> None:
@@ -295,7 +349,7 @@ class Engine:
                 self._crash = exc
                 self._cancel.set()
 
-        return threading.Thread(target=guarded, name=f"loaderplug-{self.job}-{name}", daemon=True)
+        return threading.Thread(target=guarded, name=f"loaderplug-{self.name}-{name}", daemon=True)
 
     @staticmethod
     def _join(threads: list[threading.Thread]) -> None:
@@ -304,28 +358,28 @@ class Engine:
             while t.is_alive():
                 t.join(0.1)
 
-    def _next(self) -> tuple[FileJob, Span] | None:
+    def _next(self) -> tuple[FileTask, Span] | None:
         with self._lock:
             for span in self._spans:
-                job = self._files[span.file]
-                if not job.failed:
-                    return job, span
+                task = self._tasks[span.file]
+                if not task.failed:
+                    return task, span
             return None
 
-    def _fail(self, job: FileJob, exc: BaseException, span: Span | None) -> None:
-        if job.fail(exc, span):
-            self._notify("loaderplug_on_file_done", job=self.job, result=job.result)
+    def _fail(self, task: FileTask, exc: BaseException, span: Span | None) -> None:
+        if task.fail(exc, span) and task.result is not None:
+            self.observer.file_done(task.result)
 
-    def _notify(self, hook: str, **kwargs: object) -> None:
-        """Call an observe hook; an observer that raises is logged, never fatal to a copy."""
-        try:
-            getattr(self.pm.hook, hook)(**kwargs)
-        except Exception:
-            log.warning("a plugin's %s raised; the copy goes on", hook, exc_info=True)
+    def _count_retries(self, retries: int, span_left: list[int] | None = None) -> None:
+        with self._lock:
+            self._retries += retries
+            if span_left is not None:
+                span_left[1] += retries
 
     # -- reading ----------------------------------------------------------------------
 
     def _reader(self) -> None:
+        sources = _OpenSources(self.open_source)
         self.limit.enter()
         try:
             while not self._cancel.is_set():
@@ -334,172 +388,169 @@ class Engine:
                     item = self._next()
                     if item is None:
                         return
-                    job, span = item
+                    task, span = item
                     try:
-                        job.begin()
-                        self._read_span(job, span, slot)
+                        task.begin()
+                        self._read_span(task, span, slot, sources)
                     except Cancelled:
                         continue
                     except Exception as exc:
-                        self._fail(job, exc, span)
+                        sources.drop(task)
+                        self._fail(task, exc, span)
                 finally:
                     self.limit.release(slot)
         except Cancelled:
             return
         finally:
             self.limit.leave()
+            sources.close()
 
-    def _read_span(self, job: FileJob, span: Span, slot: Slot) -> None:
+    def _read_span(self, task: FileTask, span: Span, slot: Slot, sources: _OpenSources) -> None:
         end = span.offset + span.length
         # A whole-file span of a small file is read in chunk-sized pieces.
         offsets = range(span.offset, end, self.chunk)
         span_left = [max(1, len(offsets)), 0]
         if not offsets:  # an empty file: nothing to read, one empty write completes it
-            self._writes.put(_Write(job, span, 0, 0, None, span_left))
+            self._writes.put(_Write(task, span, 0, 0, None, span_left))
             return
-        placer = next((s for s in job.sinks if isinstance(s, PlacingSink)), None)
+        placer = next((s for s in task.sinks if isinstance(s, PlacingSink)), None)
         if placer is not None:
             span_left[0] = sum(-(-min(self.chunk, end - o) // READ_STEP) for o in offsets)
         for offset in offsets:
             length = min(self.chunk, end - offset)
             if placer is not None:
-                self._read_placed(job, span, offset, length, placer, span_left, slot)
+                self._read_placed(task, span, offset, length, placer, span_left, slot, sources)
                 continue
             buffer = self._pool.take(self._cancel)
             try:
-                retries = self._retrying(
-                    job,
-                    offset,
-                    length,
-                    "reading",
-                    functools.partial(self._read_piece, job, offset, length, buffer[1], slot),
-                    slot=slot,
+                read = functools.partial(
+                    self._read_piece, task, offset, length, buffer[1], slot, sources
                 )
+                self._retrying(task, offset, length, "reading", read, slot, span_left)
             except BaseException:
                 self._pool.give(buffer)
                 raise
-            with self._lock:
-                span_left[1] += retries
-            self._writes.put(_Write(job, span, offset, length, buffer, span_left))
+            self._writes.put(_Write(task, span, offset, length, buffer, span_left))
 
     def _retrying(
         self,
-        job: FileJob,
+        task: FileTask,
         offset: int,
         length: int,
         action: str,
         op: Callable[[], None],
-        *,
-        slot: Slot | None = None,
-    ) -> int:
-        """Run ``op`` until it succeeds, retrying transient errnos; returns the retries.
+        slot: Slot | None,
+        span_left: list[int],
+    ) -> None:
+        """Run ``op`` until it succeeds, retrying transient errnos; counts the retries.
 
         Reads and writes are both retried: ``pread`` and ``pwrite`` at a fixed offset
         can be repeated, and a sync's destination is as flaky as a hydrate's source.
         A read's ``slot`` hears of every transient error (the storage may be overloaded)
         and, before the retry, waits if the limit has dropped since.
         """
-        attempts = self.settings.retry_attempts
-        for attempt in range(attempts):
-            if self._cancel.is_set() or job.failed:
-                raise Cancelled
-            try:
-                op()
-                return attempt
-            except OSError as exc:
-                transient = exc.errno in TRANSIENT_ERRNOS
-                if not transient or attempt + 1 == attempts:
-                    tries = f" after {attempt + 1} attempts" if transient else ""
-                    raise HydrateError(
-                        f"{action} bytes {offset}-{offset + length} failed{tries}: "
-                        f"{exc.strerror or exc}",
-                        path=job.src,
-                        range=(offset, length),
-                        errno=exc.errno,
-                    ) from exc
-                with self._lock:
-                    self.retries += 1
-                if slot is not None:
-                    slot.transient_error()
-                self._backoff(attempt)
-                if slot is not None:
-                    slot.renew(self._cancel)
-        raise AssertionError("unreachable")
 
-    def _backoff(self, attempt: int) -> None:
-        if self._cancel.wait(backoff_s(self.settings, attempt)):
-            raise Cancelled
+        def attempt() -> None:
+            if task.failed:  # another worker failed the file: stop reading it
+                raise Cancelled
+            op()
+
+        def give_up(exc: OSError, attempts: int | None) -> HydrateError:
+            tries = f" after {attempts} attempts" if attempts else ""
+            return HydrateError(
+                f"{action} bytes {offset}-{offset + length} failed{tries}: {exc.strerror or exc}",
+                path=task.src,
+                range=(offset, length),
+                errno=exc.errno,
+            )
+
+        def transient(exc: OSError) -> None:
+            self._count_retries(1)
+            if slot is not None:
+                slot.transient_error()
+
+        renew = (lambda: slot.renew(self._cancel)) if slot is not None else None
+        _, retries = retrying(
+            attempt,
+            self.retry,
+            give_up,
+            cancel=self._cancel,
+            on_transient=transient,
+            before_retry=renew,
+        )
+        with self._lock:
+            span_left[1] += retries
 
     def _read_placed(
         self,
-        job: FileJob,
+        task: FileTask,
         span: Span,
         offset: int,
         length: int,
         placer: PlacingSink,
         span_left: list[int],
         slot: Slot,
+        sources: _OpenSources,
     ) -> None:
         """Read straight into the sink's memory (no staging buffer, no copy), handing each
-        step to the writers as soon as it lands, so a tensor is complete as soon as its
+        step to the writers as soon as it is read, so a tensor is complete as soon as its
         own bytes are, not when the whole range is. A retry resumes at the failed step."""
-        size = _padded(job, length) if offset + length >= job.size else length
+        size = _padded(task, length) if offset + length >= task.size else length
         target = placer.place(offset, size)
         done = 0
 
-        def landed(n: int) -> None:
+        def step_read(n: int) -> None:
             nonlocal done
             self._writes.put(
-                _Write(job, span, offset + done, n, None, span_left, target[done : done + n])
+                _Write(task, span, offset + done, n, None, span_left, target[done : done + n])
             )
             done += n
 
         def read_rest() -> None:
-            self._read_piece(job, offset + done, length - done, target[done:], slot, landed)
+            self._read_piece(
+                task, offset + done, length - done, target[done:], slot, sources, step_read
+            )
 
-        retries = self._retrying(job, offset, length, "reading", read_rest, slot=slot)
-        with self._lock:
-            span_left[1] += retries
+        self._retrying(task, offset, length, "reading", read_rest, slot, span_left)
 
     def _read_piece(
         self,
-        job: FileJob,
+        task: FileTask,
         offset: int,
         length: int,
         view: memoryview,
         slot: Slot,
-        landed: Callable[[int], None] | None = None,
+        sources: _OpenSources,
+        step_read: Callable[[int], None] | None = None,
     ) -> None:
-        """Read ``length`` bytes at ``offset`` into ``view`` from a freshly opened source,
-        in steps of ``READ_STEP``, checking the source's identity before and after each;
-        ``slot`` hears how long each step took, and ``landed(n)`` after each."""
-        source: Source = first_result(
-            self.pm, "loaderplug_open_source", path=job.src, policy=job.policy
-        )
+        """Read ``length`` bytes at ``offset`` into ``view`` in steps of ``READ_STEP``,
+        checking the source's identity after each; ``slot`` hears how long each step
+        took, and ``step_read(n)`` of each step read."""
         try:
-            check_identity(job, source.identity())
+            source = sources.get(task)
             pos = 0
             while pos < length:
                 n = min(READ_STEP, length - pos)
                 last = pos + n >= length
-                want = view[pos : pos + (_padded(job, n) if last else n)]
+                want = view[pos : pos + (_padded(task, n) if last else n)]
                 started = time.perf_counter()
                 got = source.pread_into(want, offset + pos)
-                slot.landed(got, time.perf_counter() - started)
+                slot.read_done(got, time.perf_counter() - started)
                 if got < n:
                     raise HydrateError(
                         f"source is shorter than expected: read ended at byte "
-                        f"{offset + pos + got} of {job.size}; the mirror file is truncated "
+                        f"{offset + pos + got} of {task.size}; the mirror file is truncated "
                         f"or still being written",
-                        path=job.src,
+                        path=task.src,
                         range=(offset, length),
                     )
-                check_identity(job, source.identity())
+                check_identity(task, source.identity())
                 pos += n
-                if landed is not None:
-                    landed(n)
-        finally:
-            source.close()
+                if step_read is not None:
+                    step_read(n)
+        except OSError:
+            sources.drop(task)  # a retry starts from a fresh descriptor
+            raise
 
     # -- writing ----------------------------------------------------------------------
 
@@ -508,24 +559,24 @@ class Engine:
             write = self._writes.get()
             if write is None:
                 return
-            job = write.job
+            task = write.task
             try:
-                if self._cancel.is_set() or job.failed:
+                if self._cancel.is_set() or task.failed:
                     continue
                 data = write.placed
                 if data is None and write.buffer is not None:
                     data = write.buffer[1][: write.length]
                 if data is not None:
-                    land = functools.partial(_write_all, job.sinks, data, write.offset)
+                    land = functools.partial(_write_all, task.sinks, data, write.offset)
                     try:
-                        retries = self._retrying(job, write.offset, write.length, "writing", land)
+                        self._retrying(
+                            task, write.offset, write.length, "writing", land, None, write.span_left
+                        )
                     except Cancelled:
                         continue
                     except HydrateError as exc:
-                        self._fail(job, exc, write.span)
+                        self._fail(task, exc, write.span)
                         continue
-                    with self._lock:
-                        write.span_left[1] += retries
             finally:
                 if write.buffer is not None:
                     self._pool.give(write.buffer)
@@ -533,7 +584,7 @@ class Engine:
 
     def _landed(self, write: _Write) -> None:
         with self._lock:
-            self.bytes_copied += write.length
+            self._bytes_copied += write.length
             if self.on_bytes is not None:
                 self.on_bytes(write.length)
             write.span_left[0] -= 1
@@ -541,38 +592,32 @@ class Engine:
         if not span_done:
             return
         span = write.span
-        self._notify(
-            "loaderplug_on_range_done",
-            job=self.job,
-            path=write.job.rel,
-            offset=span.offset,
-            length=span.length,
-            retries=retries,
-        )
-        if write.job.span_done():
-            self._finish(write.job)
+        self.observer.range_done(write.task.rel, span.offset, span.length, retries)
+        if write.task.span_done():
+            self._finish(write.task)
 
-    def _finish(self, job: FileJob) -> None:
+    def _finish(self, task: FileTask) -> None:
         try:
-            source = first_result(
-                self.pm, "loaderplug_open_source", path=job.src, policy=job.policy
-            )
+            # A fresh open: a source replaced on the volume since the copy began shows
+            # up here, where the readers' open descriptors still see the old file.
+            source = self.open_source(task.src, task.policy)
             try:
-                check_identity(job, source.identity())
+                check_identity(task, source.identity())
             finally:
                 source.close()
-            for sink in job.sinks:
+            for sink in task.sinks:
                 sink.commit()
         except Exception as exc:
-            job.fail(exc, None)
+            task.fail(exc, None)
         else:
-            job.mark_restored()
-        self._notify("loaderplug_on_file_done", job=self.job, result=job.result)
+            task.finished(FileResult(task.rel, task.outcome, task.size))
+        if task.result is not None:
+            self.observer.file_done(task.result)
 
 
-def _padded(job: FileJob, length: int) -> int:
-    """``length`` rounded up to the O_DIRECT alignment of the job's source."""
-    align = max(4096, job.policy.alignment)
+def _padded(task: FileTask, length: int) -> int:
+    """``length`` rounded up to the O_DIRECT alignment of the task's source."""
+    align = max(4096, task.policy.alignment)
     return -(-length // align) * align
 
 

@@ -3,10 +3,10 @@
 Every error loaderplug raises on purpose derives from :class:`LoaderplugError`::
 
     LoaderplugError
-    ├── SettingsError      a LOADERPLUG_* variable or override has a bad value
+    ├── SettingsError      a setting, flag or option has a bad value (names which, and why)
     ├── FormatError        a safetensors file is malformed
-    ├── HydrateError       a file could not be copied (carries path, range, errno)
-    │   └── TransferFailed one or more files of a job failed (carries the report)
+    ├── HydrateError       one file could not be copied or read (carries path, range, errno)
+    ├── TransferFailed     a job finished with failed files (carries the report)
     ├── MirrorError        a mirror or its manifest cannot be trusted
     ├── LockError          the cross-process lock could not be taken in time
     └── PluginError        a plugin could not be loaded or answered badly
@@ -28,7 +28,30 @@ class LoaderplugError(Exception):
 
 
 class SettingsError(LoaderplugError, ValueError):
-    """A setting has a value loaderplug cannot use."""
+    """A setting has a value loaderplug cannot use.
+
+    ``variable`` names it as the user set it (``LOADERPLUG_CHUNK_BYTES``, ``--workers``,
+    a loader option), ``value`` is what was given and ``expected`` the accepted form and
+    range; :meth:`renamed` says the same of another name for the same setting.
+    """
+
+    def __init__(
+        self,
+        variable: str,
+        value: object,
+        expected: str,
+        hint: str = "",
+        *,
+        message: str | None = None,
+    ) -> None:
+        super().__init__(message or f"{variable}={value!r} is invalid: expected {expected}{hint}")
+        self.variable = variable
+        self.value = value
+        self.expected = expected
+        self.hint = hint
+
+    def renamed(self, variable: str) -> SettingsError:
+        return SettingsError(variable, self.value, self.expected, self.hint)
 
 
 class FormatError(LoaderplugError, ValueError):
@@ -48,7 +71,7 @@ class PluginError(LoaderplugError):
 
 
 class HydrateError(LoaderplugError):
-    """One file could not be copied.
+    """One file could not be copied or read.
 
     ``range`` is ``(offset, length)`` of the byte range that failed, when one did;
     ``errno`` is the operating-system error number, when the cause was an ``OSError``.
@@ -68,17 +91,18 @@ class HydrateError(LoaderplugError):
         self.errno = errno
 
 
-class TransferFailed(HydrateError):
-    """A hydrate or sync finished with failed files; ``report`` lists each one."""
+class TransferFailed(LoaderplugError):
+    """A hydrate, sync or load finished with failed files; ``report`` lists each one,
+    and ``path``, ``range`` and ``errno`` are those of the first."""
 
     def __init__(self, report: TransferReport) -> None:
         failures = report.failed
         first = failures[0]
         more = f" (and {len(failures) - 1} more)" if len(failures) > 1 else ""
         super().__init__(
-            f"{report.job} failed for {len(failures)} file(s): {first.path}: {first.reason}{more}",
-            path=first.path,
-            range=first.range,
-            errno=first.errno,
+            f"{report.job} failed for {len(failures)} file(s): {first.path}: {first.reason}{more}"
         )
         self.report = report
+        self.path = first.path
+        self.range = first.range
+        self.errno = first.errno

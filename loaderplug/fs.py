@@ -12,6 +12,8 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
+from loaderplug.types import IOPolicy
+
 # Network, distributed and userspace filesystems: buffered reads keep readahead and the
 # page cache working for them. Every FUSE mount counts (``fuse``, ``fuseblk`` and, matched
 # by prefix below, ``fuse.*``): userspace servers such as geesefs or s3fs are networked.
@@ -69,20 +71,6 @@ class Mount:
     mount_point: str
     fs_type: str
     source: str
-
-
-@dataclass(frozen=True)
-class IOPolicy:
-    """How to read one path: with O_DIRECT or through the page cache, and why."""
-
-    direct: bool
-    alignment: int
-    fs_type: str
-    reason: str
-
-    @staticmethod
-    def buffered(fs_type: str, reason: str) -> IOPolicy:
-        return IOPolicy(direct=False, alignment=1, fs_type=fs_type, reason=reason)
 
 
 def _unescape(field: str) -> str:

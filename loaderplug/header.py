@@ -16,34 +16,12 @@ import struct
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from loaderplug.dtypes import DTYPES
 from loaderplug.errors import FormatError
 
 # Above this a header is refused outright: real headers are kilobytes to a few MB.
 MAX_HEADER_BYTES = 100_000_000
 LENGTH_BYTES = 8
-
-# Bytes per element of every dtype the format defines.
-DTYPE_SIZES: Mapping[str, int] = {
-    "BOOL": 1,
-    "U8": 1,
-    "I8": 1,
-    "F8_E5M2": 1,
-    "F8_E4M3": 1,
-    "F8_E4M3FNUZ": 1,
-    "F8_E5M2FNUZ": 1,
-    "F8_E8M0": 1,
-    "I16": 2,
-    "U16": 2,
-    "F16": 2,
-    "BF16": 2,
-    "I32": 4,
-    "U32": 4,
-    "F32": 4,
-    "C64": 8,
-    "I64": 8,
-    "U64": 8,
-    "F64": 8,
-}
 
 
 @dataclass(frozen=True)
@@ -131,8 +109,8 @@ def _tensor(path: str, name: str, entry: object, data_start: int, data_size: int
     if not isinstance(entry, dict):
         raise FormatError(f"{where}: entry is {type(entry).__name__}, expected an object")
     dtype = entry.get("dtype")
-    if not isinstance(dtype, str) or dtype not in DTYPE_SIZES:
-        raise FormatError(f"{where}: unknown dtype {dtype!r}; known: {', '.join(DTYPE_SIZES)}")
+    if not isinstance(dtype, str) or dtype not in DTYPES:
+        raise FormatError(f"{where}: unknown dtype {dtype!r}; known: {', '.join(DTYPES)}")
     shape = entry.get("shape")
     if not isinstance(shape, list) or not all(
         isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
@@ -151,7 +129,7 @@ def _tensor(path: str, name: str, entry: object, data_start: int, data_size: int
             f"{where}: data_offsets [{begin}, {end}] fall outside the data region "
             f"of {data_size} bytes"
         )
-    expected = math.prod(shape) * DTYPE_SIZES[dtype]
+    expected = math.prod(shape) * DTYPES[dtype].itemsize
     if end - begin != expected:
         raise FormatError(
             f"{where}: holds {end - begin} bytes but shape {shape} of {dtype} needs {expected}"

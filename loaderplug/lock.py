@@ -20,30 +20,57 @@ from loaderplug.tree import LOCK_NAME
 POLL_S = 0.05
 
 
+class FolderLock:
+    """An exclusive lock on ``folder`` (a ``.loaderplug.lock`` file in it)."""
+
+    def __init__(self, folder: Path, timeout_s: float) -> None:
+        self.folder = folder
+        self.timeout_s = timeout_s
+        self._fd = -1
+
+    @property
+    def held(self) -> bool:
+        return self._fd >= 0
+
+    def acquire(self) -> float:
+        """Take the lock, polling so Ctrl-C stays responsive; returns the seconds waited."""
+        self.folder.mkdir(parents=True, exist_ok=True)
+        path = self.folder / LOCK_NAME
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        started = time.monotonic()
+        try:
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() - started >= self.timeout_s:
+                        holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "?"
+                        raise LockError(
+                            f"{path} is still held by process {holder} after "
+                            f"{self.timeout_s:g} s; wait for it, or raise LOADERPLUG_LOCK_TIMEOUT_S"
+                        ) from None
+                    time.sleep(POLL_S)
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, str(os.getpid()).encode(), 0)
+        except BaseException:
+            os.close(fd)
+            raise
+        self._fd = fd
+        return time.monotonic() - started
+
+    def release(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)  # closing releases the flock
+            self._fd = -1
+
+
 @contextmanager
 def locked(folder: Path, timeout_s: float) -> Iterator[float]:
     """Hold an exclusive lock on ``folder``; yields the seconds spent waiting for it."""
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / LOCK_NAME
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-    started = time.monotonic()
+    lock = FolderLock(folder, timeout_s)
+    waited = lock.acquire()
     try:
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                # Polling, not a blocking flock, so Ctrl-C stays responsive.
-                if time.monotonic() - started >= timeout_s:
-                    holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "?"
-                    raise LockError(
-                        f"{path} is still held by process {holder} after {timeout_s:g} s; "
-                        f"wait for it, or raise LOADERPLUG_LOCK_TIMEOUT_S"
-                    ) from None
-                time.sleep(POLL_S)
-        waited = time.monotonic() - started
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, str(os.getpid()).encode(), 0)
         yield waited
     finally:
-        os.close(fd)  # closing releases the flock
+        lock.release()

@@ -1,30 +1,17 @@
-"""What a hydrate or sync did, file by file: the value returned and printed with --json."""
+"""What a job did, file by file: the value returned and printed with --json."""
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any, Literal
+from typing import Any
 
-from loaderplug.settings import format_size
-
-Status = Literal["restored", "skipped", "linked", "failed"]
-
-
-@dataclass(frozen=True)
-class FileResult:
-    """The outcome for one path (relative to the job's source root)."""
-
-    path: str
-    status: Status
-    size: int = 0
-    reason: str = ""
-    errno: int | None = None
-    range: tuple[int, int] | None = None
+from loaderplug.types import FileResult, Status
+from loaderplug.units import MiB, format_size
 
 
 @dataclass
 class TransferReport:
-    """Files restored, skipped and failed, bytes moved, time taken, retries."""
+    """Files restored, loaded, skipped and failed, bytes moved, time taken, retries."""
 
     job: str
     source: str
@@ -47,6 +34,10 @@ class TransferReport:
         return self._with("restored")
 
     @property
+    def loaded(self) -> list[FileResult]:
+        return self._with("loaded")
+
+    @property
     def skipped(self) -> list[FileResult]:
         return self._with("skipped")
 
@@ -64,13 +55,14 @@ class TransferReport:
 
     @property
     def mib_per_s(self) -> float:
-        return self.bytes_copied / (1 << 20) / self.seconds if self.seconds > 0 else 0.0
+        return self.bytes_copied / MiB / self.seconds if self.seconds > 0 else 0.0
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
         data["results"] = [asdict(r) for r in self.results]
         data.update(
             restored=len(self.restored),
+            loaded=len(self.loaded),
             skipped=len(self.skipped),
             linked=len(self.linked),
             failed=len(self.failed),
@@ -87,15 +79,16 @@ class TransferReport:
 
     def summary(self) -> str:
         """A few lines for people: counts, speed, and every failure with its reason."""
+        loaded = f"{len(self.loaded)} loaded, " if self.loaded else ""
         lines = [
             f"{self.job} {self.source} -> {self.destination}: "
-            f"{len(self.restored)} restored, {len(self.linked)} linked, "
+            f"{len(self.restored)} restored, {loaded}{len(self.linked)} linked, "
             f"{len(self.skipped)} skipped, {len(self.failed)} failed; "
-            f"{self.bytes_copied / (1 << 20):.1f} MiB in {self.seconds:.2f} s "
+            f"{self.bytes_copied / MiB:.1f} MiB in {self.seconds:.2f} s "
             f"({self.mib_per_s:.1f} MiB/s), {self.retries} retries, "
             f"{self.workers} workers{self._auto} x {format_size(self.chunk_bytes)}"
         ]
-        if self.results and not self.restored and not self.linked and self.ok:
+        if self.results and not (self.restored or self.linked or self.loaded) and self.ok:
             lines.append("nothing to do: every file is already up to date")
         for r in self.failed:
             errno = f" [errno {r.errno}]" if r.errno is not None else ""

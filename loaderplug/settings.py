@@ -1,4 +1,9 @@
-"""One registry of ``LOADERPLUG_*`` variables, parsed once into a frozen :class:`Settings`.
+"""Every ``LOADERPLUG_*`` variable, declared once, parsed once into a frozen :class:`Settings`.
+
+Each :class:`Settings` field is declared with :func:`_setting`: its kind, default,
+bounds and help text sit beside the field, and the registry (:data:`REGISTRY`), the
+README's settings table and ``doctor`` are derived from those declarations, so a
+default is never written twice.
 
 Rules every variable follows:
 
@@ -26,30 +31,14 @@ from pathlib import Path
 from typing import Any, Literal
 
 from loaderplug.errors import SettingsError
+from loaderplug.ranges import AUTO_LOCAL_WORKERS, AUTO_MAX_WORKERS, AUTO_START_WORKERS
+from loaderplug.units import GiB, KiB, MiB, format_size, parse_size
 
 PREFIX = "LOADERPLUG_"
-KiB = 1024
-MiB = 1024 * KiB
-GiB = 1024 * MiB
 
-Source = Literal["default", "environment", "override"]
-
-# Derived chunks shrink until a job has about this many ranges per worker.
-RANGES_PER_WORKER = 8
-# With LOADERPLUG_HYDRATE_WORKERS=auto, readers the budget is split for when the source
-# is on a network filesystem: many streams beat a per-stream cap, and the adaptive limit
-# may climb this high (fewer when an explicit chunk leaves less room in the budget).
-AUTO_MAX_WORKERS = 32
-# ... and when it is on a local disk, which has no per-stream cap: few long ranges beat
-# many short ones there (8 x 64 MiB was the best fixed setting on local disk in five of
-# six runs of benchmarks/auto_bench.py, and 5-29% ahead of 8 x 16 MiB in all six).
-AUTO_LOCAL_WORKERS = 8
-# ... and where auto starts, which small jobs' ranges are fitted for. A model of a GiB
-# is copied in a few seconds, too few windows to climb from far below: starting at 16
-# reached 32 x 16 MiB's speed on the network volume where starting at 8 fell 10-20%
-# behind, and an object store that refuses more than 6 reads in flight costs about ten
-# retries and no failed file (benchmarks/auto_bench.py).
-AUTO_START_WORKERS = 16
+# Where a setting's value came from.
+Origin = Literal["default", "environment", "override"]
+Kind = Literal["int", "workers", "size", "bool", "names", "choice", "path"]
 
 
 @dataclass(frozen=True)
@@ -57,7 +46,7 @@ class Variable:
     """One ``LOADERPLUG_*`` variable: how to parse it and what it is for."""
 
     field: str
-    kind: Literal["int", "workers", "size", "bool", "names", "choice", "path"]
+    kind: Kind
     default: Any
     help: str
     minimum: int | None = None
@@ -87,217 +76,129 @@ class Variable:
             return "a comma-separated list of names"
         return "a filesystem path"
 
-
-REGISTRY: tuple[Variable, ...] = (
-    Variable(
-        "hydrate_workers",
-        "workers",
-        "auto",
-        "Worker threads copying ranges. auto: start at 16 and adapt while copying (more "
-        "while throughput rises, fewer on ENOMEM/EAGAIN or rising latency), up to "
-        f"{AUTO_MAX_WORKERS} within bytes in flight from network filesystems, "
-        f"{AUTO_LOCAL_WORKERS} of 64 MiB ranges from local disks.",
-        minimum=1,
-        maximum=512,
-    ),
-    Variable(
-        "bytes_in_flight",
-        "size",
-        512 * MiB,
-        "Most bytes being read at once (workers x chunk); bounds memory and volume load.",
-        minimum=4 * KiB,
-        maximum=64 * GiB,
-    ),
-    Variable(
-        "chunk_bytes",
-        "size",
-        None,
-        "Range size. Unset: bytes in flight / workers, at most 64 MiB, less for small jobs "
-        "(about 8 ranges per worker, at least 4 MiB). Set: used as is.",
-        minimum=4 * KiB,
-        maximum=4 * GiB,
-    ),
-    Variable(
-        "split_threshold_bytes",
-        "size",
-        32 * MiB,
-        "Files at or over this size are split into ranges; smaller ones are copied whole.",
-        minimum=0,
-        maximum=1024 * GiB,
-    ),
-    Variable(
-        "retry_attempts",
-        "int",
-        8,
-        "Attempts per range on ENOMEM, EIO or EAGAIN before the file fails.",
-        minimum=1,
-        maximum=100,
-    ),
-    Variable(
-        "retry_base_ms",
-        "int",
-        50,
-        "First retry's backoff ceiling; doubles per attempt, with full jitter.",
-        minimum=0,
-        maximum=60_000,
-    ),
-    Variable(
-        "retry_max_ms",
-        "int",
-        4000,
-        "Largest backoff ceiling between two attempts.",
-        minimum=0,
-        maximum=600_000,
-    ),
-    Variable("fsync", "bool", True, "fsync each file before it is renamed into place."),
-    Variable("progress", "bool", True, "Show a progress bar when stderr is a terminal."),
-    Variable(
-        "lock_timeout_s",
-        "int",
-        3600,
-        "Seconds to wait for another process hydrating the same destination.",
-        minimum=0,
-        maximum=7 * 24 * 3600,
-    ),
-    Variable(
-        "disable_plugins",
-        "names",
-        (),
-        "Plugins (entry-point or registered names) that must not load.",
-    ),
-    Variable("volume", "path", None, "Root of the volume mirror."),
-    Variable(
-        "local_dir",
-        "path",
-        None,
-        "Where loaders keep local copies of mirrored models. Unset: "
-        "$XDG_CACHE_HOME/loaderplug/models (~/.cache/loaderplug/models).",
-    ),
-    Variable(
-        "direct_io",
-        "choice",
-        "auto",
-        "O_DIRECT reads: auto (by filesystem type), on, or off.",
-        choices=("auto", "on", "off"),
-    ),
-    Variable(
-        "reader",
-        "choice",
-        "loaderplug",
-        "What volcache reads weights with: loaderplug (one pass) or fastsafetensors "
-        "(hydrate, then fastsafetensors; for hosts with GPUDirect Storage).",
-        choices=("loaderplug", "fastsafetensors"),
-    ),
-    Variable(
-        "sync",
-        "bool",
-        True,
-        "After a Hub download that the mirror could not serve, copy it to the mirror.",
-    ),
-)
-
-BY_FIELD: dict[str, Variable] = {v.field: v for v in REGISTRY}
-BY_NAME: dict[str, Variable] = {v.name: v for v in REGISTRY}
-
-_SIZE = re.compile(r"^\s*(\d+)\s*(?:([kKmMgGtT])(i?[bB])?|[bB])?\s*$")
-_SCALE = {"k": KiB, "m": MiB, "g": GiB, "t": 1024 * GiB}
-_TRUE = {"1", "true", "yes", "on"}
-_FALSE = {"0", "false", "no", "off"}
+    @property
+    def shown_default(self) -> str:
+        """The default as the README's table shows it."""
+        if self.default is None:
+            return "unset"
+        if self.kind == "size":
+            return format_size(self.default)
+        if self.kind == "bool":
+            return "1" if self.default else "0"
+        if self.kind == "names":
+            return "empty"
+        return str(self.default)
 
 
-def format_size(n: int) -> str:
-    """``67108864`` → ``64 MiB``: the largest binary unit that divides ``n``."""
-    for unit, scale in (("TiB", 1024 * GiB), ("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
-        if n >= scale and n % scale == 0:
-            return f"{n // scale} {unit}"
-    return f"{n} B"
+def _setting(
+    kind: Kind,
+    default: Any,
+    help: str,
+    *,
+    minimum: int | None = None,
+    maximum: int | None = None,
+    choices: tuple[str, ...] = (),
+) -> Any:
+    """A :class:`Settings` field that is also a ``LOADERPLUG_*`` variable."""
+    spec = {"kind": kind, "help": help, "minimum": minimum, "maximum": maximum}
+    return field(default=default, metadata={"variable": {**spec, "choices": choices}})
 
 
 @dataclass(frozen=True)
 class Settings:
     """Every knob, parsed and checked. Build it with :func:`from_env`."""
 
-    hydrate_workers: int | Literal["auto"] = "auto"
-    bytes_in_flight: int = 512 * MiB
-    chunk_bytes: int | None = None
-    split_threshold_bytes: int = 32 * MiB
-    retry_attempts: int = 8
-    retry_base_ms: int = 50
-    retry_max_ms: int = 4000
-    fsync: bool = True
-    progress: bool = True
-    lock_timeout_s: int = 3600
-    disable_plugins: tuple[str, ...] = ()
-    volume: str | None = None
-    local_dir: str | None = None
-    direct_io: str = "auto"
-    reader: str = "loaderplug"
-    sync: bool = True
-    sources: Mapping[str, Source] = field(default_factory=dict, compare=False, repr=False)
-
-    @property
-    def adaptive_workers(self) -> bool:
-        """``LOADERPLUG_HYDRATE_WORKERS=auto``: the engine adapts concurrency as it runs."""
-        return self.hydrate_workers == "auto"
-
-    def _split_workers(self, *, network: bool) -> int:
-        """The worker count the budget is divided by to derive a range size: with auto,
-        the most readers it may climb to from a ``network`` source or a local one."""
-        if self.hydrate_workers != "auto":
-            return self.hydrate_workers
-        return AUTO_MAX_WORKERS if network else AUTO_LOCAL_WORKERS
-
-    @property
-    def _fit_workers(self) -> int:
-        """The worker count a small job's ranges are fitted for."""
-        return AUTO_START_WORKERS if self.hydrate_workers == "auto" else self.hydrate_workers
-
-    @property
-    def effective_chunk_bytes(self) -> int:
-        """The range size from a network filesystem; see :meth:`chunk_for_source`."""
-        return self.chunk_for_source(network=True)
-
-    def chunk_for_source(self, *, network: bool) -> int:
-        """The range size: an explicit chunk as given, else bytes in flight / workers.
-
-        The derived size is capped at 64 MiB (larger ranges stop helping and delay the
-        first finished file) and rounded down to 4 KiB so O_DIRECT offsets stay aligned.
-        With auto workers the budget is split for the most readers auto may run from a
-        ``network`` source or a local one.
-        """
-        if self.chunk_bytes is not None:
-            return self.chunk_bytes
-        share = min(64 * MiB, self.bytes_in_flight // self._split_workers(network=network))
-        return max(4 * KiB, share // (4 * KiB) * (4 * KiB))
-
-    def chunk_for_job(self, total_bytes: int, *, network: bool = True) -> int:
-        """The range size for a job of ``total_bytes``; ``network``: whether a source is
-        on a network filesystem.
-
-        A derived chunk also shrinks for small jobs, so that every worker (with auto,
-        each of the readers it starts with) gets about eight ranges: on a volume with a
-        per-stream cap, four 64 MiB ranges of a 256 MiB model would leave half of eight
-        workers idle, and the last ranges, which land after every read is done, are
-        short. It never goes below 4 MiB, where per-request overhead starts to dominate.
-        An explicit chunk is used as is, and so is auto's long range from a local disk,
-        where one reader gets the device's pace and no per-stream cap idles the others.
-        """
-        chunk = self.chunk_for_source(network=network)
-        if self.chunk_bytes is not None or (self.adaptive_workers and not network):
-            return chunk
-        per_worker = total_bytes // (self._fit_workers * RANGES_PER_WORKER)
-        # A power of two keeps ranges aligned for O_DIRECT and sizes predictable.
-        fitted = max(4 * MiB, 1 << max(per_worker, 1).bit_length() - 1)
-        return min(chunk, fitted)
-
-    def workers_for_chunk(self, chunk: int) -> int:
-        """Workers that may run at once without exceeding the bytes-in-flight budget;
-        with auto workers, the most the adaptive limit may climb to."""
-        return min(self._split_workers(network=True), max(1, self.bytes_in_flight // chunk))
-
-    @property
-    def effective_workers(self) -> int:
-        return self.workers_for_chunk(self.effective_chunk_bytes)
+    hydrate_workers: int | Literal["auto"] = _setting(
+        "workers",
+        "auto",
+        f"Worker threads copying ranges. auto: start at {AUTO_START_WORKERS} and adapt while "
+        "copying (more while throughput rises, fewer on ENOMEM/EAGAIN or rising latency), "
+        f"up to {AUTO_MAX_WORKERS} within bytes in flight from network filesystems, "
+        f"{AUTO_LOCAL_WORKERS} of 64 MiB ranges from local disks.",
+        minimum=1,
+        maximum=512,
+    )
+    bytes_in_flight: int = _setting(
+        "size",
+        512 * MiB,
+        "Most bytes being read at once (workers x chunk); bounds memory and volume load.",
+        minimum=4 * KiB,
+        maximum=64 * GiB,
+    )
+    chunk_bytes: int | None = _setting(
+        "size",
+        None,
+        "Range size. Unset: bytes in flight / workers, at most 64 MiB, less for small jobs "
+        "(about 8 ranges per worker, at least 4 MiB). Set: used as is.",
+        minimum=4 * KiB,
+        maximum=4 * GiB,
+    )
+    split_threshold_bytes: int = _setting(
+        "size",
+        32 * MiB,
+        "Files at or over this size are split into ranges; smaller ones are copied whole.",
+        minimum=0,
+        maximum=1024 * GiB,
+    )
+    retry_attempts: int = _setting(
+        "int",
+        8,
+        "Attempts per range on ENOMEM, EIO or EAGAIN before the file fails.",
+        minimum=1,
+        maximum=100,
+    )
+    retry_base_ms: int = _setting(
+        "int",
+        50,
+        "First retry's backoff ceiling; doubles per attempt, with full jitter.",
+        minimum=0,
+        maximum=60_000,
+    )
+    retry_max_ms: int = _setting(
+        "int",
+        4000,
+        "Largest backoff ceiling between two attempts.",
+        minimum=0,
+        maximum=600_000,
+    )
+    fsync: bool = _setting("bool", True, "fsync each file before it is renamed into place.")
+    progress: bool = _setting("bool", True, "Show a progress bar when stderr is a terminal.")
+    lock_timeout_s: int = _setting(
+        "int",
+        3600,
+        "Seconds to wait for another process hydrating the same destination.",
+        minimum=0,
+        maximum=7 * 24 * 3600,
+    )
+    disable_plugins: tuple[str, ...] = _setting(
+        "names", (), "Plugins (entry-point or registered names) that must not load."
+    )
+    volume: str | None = _setting("path", None, "Root of the volume mirror.")
+    local_dir: str | None = _setting(
+        "path",
+        None,
+        "Where loaders keep local copies of mirrored models. Unset: "
+        "$XDG_CACHE_HOME/loaderplug/models (~/.cache/loaderplug/models).",
+    )
+    direct_io: str = _setting(
+        "choice",
+        "auto",
+        "O_DIRECT reads: auto (by filesystem type), on, or off.",
+        choices=("auto", "on", "off"),
+    )
+    reader: str = _setting(
+        "choice",
+        "loaderplug",
+        "What volcache reads weights with: loaderplug (one pass) or fastsafetensors "
+        "(hydrate, then fastsafetensors; for hosts with GPUDirect Storage).",
+        choices=("loaderplug", "fastsafetensors"),
+    )
+    sync: bool = _setting(
+        "bool",
+        True,
+        "After a Hub download that the mirror could not serve, copy it to the mirror.",
+    )
+    origins: Mapping[str, Origin] = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def local_models_dir(self) -> Path:
@@ -309,12 +210,24 @@ class Settings:
 
     def replace(self, **overrides: Any) -> Settings:
         """A copy with ``overrides`` (by field name) applied and checked."""
-        values, sources = _parse_overrides(overrides)
-        return dataclasses.replace(self, **values, sources={**self.sources, **sources})
+        values, origins = _parse_overrides(overrides)
+        return dataclasses.replace(self, **values, origins={**self.origins, **origins})
+
+
+REGISTRY: tuple[Variable, ...] = tuple(
+    Variable(f.name, default=f.default, **f.metadata["variable"])
+    for f in dataclasses.fields(Settings)
+    if "variable" in f.metadata
+)
+BY_FIELD: dict[str, Variable] = {v.field: v for v in REGISTRY}
+BY_NAME: dict[str, Variable] = {v.name: v for v in REGISTRY}
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
 
 
 def _bad(var: Variable, raw: object) -> SettingsError:
-    return SettingsError(f"{var.name}={raw!r} is invalid: expected {var.expected}")
+    return SettingsError(var.name, raw, var.expected)
 
 
 def _check_range(var: Variable, raw: object, value: int) -> int:
@@ -336,15 +249,6 @@ def _parse_int(var: Variable, raw: object) -> int:
     raise _bad(var, raw)
 
 
-def parse_size(raw: str, name: str) -> int:
-    """A size such as ``64M`` or ``1GiB`` in bytes; a bad one is an error naming ``name``."""
-    match = _SIZE.match(raw)
-    if not match:
-        raise SettingsError(f"{name}={raw!r} is invalid: expected a size such as 64M or 1GiB")
-    number, unit = int(match.group(1)), match.group(2)
-    return number * _SCALE[unit.lower()] if unit else number
-
-
 def _parse_workers(var: Variable, raw: object) -> int | Literal["auto"]:
     if isinstance(raw, str) and raw.strip().lower() == "auto":
         return "auto"
@@ -357,10 +261,8 @@ def _parse_size(var: Variable, raw: object) -> int:
     if isinstance(raw, int):
         return _check_range(var, raw, raw)
     if isinstance(raw, str):
-        match = _SIZE.match(raw)
-        if match:
-            number, unit = int(match.group(1)), match.group(2)
-            value = number * _SCALE[unit.lower()] if unit else number
+        value = parse_size(raw)
+        if value is not None:
             return _check_range(var, raw, value)
     raise _bad(var, raw)
 
@@ -425,19 +327,20 @@ def _warn_unknown(environ: Mapping[str, str]) -> None:
             )
 
 
-def _parse_overrides(overrides: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Source]]:
+def _parse_overrides(overrides: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Origin]]:
     values: dict[str, Any] = {}
-    sources: dict[str, Source] = {}
+    origins: dict[str, Origin] = {}
     for key, raw in overrides.items():
         if key not in BY_FIELD:
             close = difflib.get_close_matches(key, list(BY_FIELD), n=1)
             hint = f"; did you mean {close[0]!r}?" if close else ""
-            raise SettingsError(f"unknown setting {key!r}{hint}")
+            message = f"unknown setting {key!r}{hint}"
+            raise SettingsError(key, None, "the name of a setting", message=message)
         if raw is None:
             continue
         values[key] = parse(BY_FIELD[key], raw)
-        sources[key] = "override"
-    return values, sources
+        origins[key] = "override"
+    return values, origins
 
 
 def from_env(environ: Mapping[str, str] | None = None, **overrides: Any) -> Settings:
@@ -449,19 +352,19 @@ def from_env(environ: Mapping[str, str] | None = None, **overrides: Any) -> Sett
     environ = os.environ if environ is None else environ
     _warn_unknown(environ)
     values: dict[str, Any] = {}
-    sources: dict[str, Source] = {}
+    origins: dict[str, Origin] = {}
     for var in REGISTRY:
         raw = environ.get(var.name, "")
         if raw.strip() == "":
             values[var.field] = var.default
-            sources[var.field] = "default"
+            origins[var.field] = "default"
         else:
             values[var.field] = parse(var, raw)
-            sources[var.field] = "environment"
+            origins[var.field] = "environment"
     parsed, overridden = _parse_overrides(overrides)
     values.update(parsed)
-    sources.update(overridden)
-    return Settings(**values, sources=sources)
+    origins.update(overridden)
+    return Settings(**values, origins=origins)
 
 
 def settings_table() -> str:
@@ -470,16 +373,5 @@ def settings_table() -> str:
         "| Variable | Default | Accepts | What it does |",
         "|---|---|---|---|",
     ]
-    for var in REGISTRY:
-        if var.default is None:
-            default = "unset"
-        elif var.kind == "size":
-            default = format_size(var.default)
-        elif var.kind == "bool":
-            default = "1" if var.default else "0"
-        elif var.kind == "names":
-            default = "empty"
-        else:
-            default = str(var.default)
-        rows.append(f"| `{var.name}` | {default} | {var.expected} | {var.help} |")
+    rows += [f"| `{v.name}` | {v.shown_default} | {v.expected} | {v.help} |" for v in REGISTRY]
     return "\n".join(rows)

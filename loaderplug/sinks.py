@@ -1,23 +1,30 @@
-"""Where copied bytes go.
+"""Where copied bytes go, and when a published copy is current.
 
 A sink receives the ranges of one file in any order, from any worker thread, then is
 either committed (every range landed and the source held still) or aborted. The
 :class:`FileSink` assembles a temp file beside the destination and publishes it with one
 ``rename``, so a reader sees either the old file or the complete new one, never a mix.
+It stamps the copy with the source's mtime: :func:`is_current_copy`, the one rule every
+job uses to skip a file, compares size and that mtime.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import glob
 import logging
+import mmap
 import os
 import secrets
+import stat
 from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 from loaderplug.errors import HydrateError
+from loaderplug.fs import is_network_type
+from loaderplug.types import Identity, IOPolicy
 
 TEMP_SUFFIX = ".loaderplug-tmp"
 log = logging.getLogger(__name__)
@@ -57,6 +64,26 @@ def is_temp_name(name: str) -> bool:
     return name.startswith(".") and name.endswith(TEMP_SUFFIX)
 
 
+def temps_of(dst: Path) -> list[Path]:
+    """Temp files a killed run left for ``dst`` (see :func:`temp_name_for`)."""
+    return list(dst.parent.glob(f".{glob.escape(dst.name)}.*{TEMP_SUFFIX}"))
+
+
+def is_current_copy(dst: Path, identity: Identity) -> bool:
+    """Whether ``dst`` already holds the file ``identity`` describes: a regular file
+    (a symlink there is not followed: it is replaced) of the same size, stamped with the
+    same mtime, as every published copy is."""
+    try:
+        st = os.lstat(dst)
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+    return (
+        stat.S_ISREG(st.st_mode)
+        and st.st_size == identity.size
+        and st.st_mtime_ns == identity.mtime_ns
+    )
+
+
 def fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
@@ -66,6 +93,29 @@ def fsync_dir(path: Path) -> None:
             raise
     finally:
         os.close(fd)
+
+
+def file_sink(
+    dst: Path,
+    identity: Identity,
+    target: IOPolicy,
+    *,
+    fsync: bool,
+    verify: Callable[[Path], None] | None = None,
+) -> FileSink:
+    """The sink that publishes ``dst``, writing the way its filesystem (``target``) wants."""
+    return FileSink(
+        dst,
+        identity.size,
+        identity.mtime_ns,
+        fsync=fsync,
+        # Direct writes in whole pages only: a buffered tail must never share a page
+        # with another range's direct write.
+        direct_alignment=max(target.alignment, mmap.PAGESIZE) if target.direct else 0,
+        # On a network filesystem glibc would emulate fallocate with a write per block.
+        preallocate=not is_network_type(target.fs_type),
+        verify=verify,
+    )
 
 
 class FileSink:

@@ -1,7 +1,8 @@
-"""Reading a source file: open under an IO policy, pread into caller buffers, pin identity.
+"""Reading a source file: open under an IO policy, pread into caller buffers.
 
-A :class:`PosixSource` is opened per range by the worker that reads it, so no descriptor
-is shared between threads and a source replaced on the volume is seen at the next open.
+A :class:`PosixSource` is opened by each worker for each file it reads from, so no
+descriptor is shared between threads; the file's identity is checked through it after
+every read, and once more through a fresh open before the copy is published.
 """
 
 from __future__ import annotations
@@ -11,42 +12,10 @@ import logging
 import mmap
 import os
 import threading
-from dataclasses import dataclass
-from typing import Protocol
 
-from loaderplug.fs import IOPolicy
+from loaderplug.types import Identity, IOPolicy
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Identity:
-    """What must stay the same while a file is copied: size, mtime and inode."""
-
-    size: int
-    mtime_ns: int
-    inode: int
-
-    @staticmethod
-    def of(st: os.stat_result) -> Identity:
-        return Identity(st.st_size, st.st_mtime_ns, st.st_ino)
-
-
-class Source(Protocol):
-    """What the engine reads from; ``loaderplug_open_source`` may return any such object."""
-
-    @property
-    def size(self) -> int: ...
-
-    def identity(self) -> Identity:
-        """The file's identity now (a fresh stat of the open file)."""
-        ...
-
-    def pread_into(self, buf: memoryview, offset: int) -> int:
-        """Read up to ``len(buf)`` bytes at ``offset``; fewer only at end of file."""
-        ...
-
-    def close(self) -> None: ...
 
 
 def aligned_buffer(size: int) -> mmap.mmap:

@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from loaderplug.fs import IOPolicy
 from loaderplug.hookspecs import hookimpl
-from loaderplug.plugins import plugin_manager
-from loaderplug.source import Identity, PosixSource
+from loaderplug import plugins
+from loaderplug.source import PosixSource
 from loaderplug.testing.model import write_model
 from loaderplug.tree import is_own_name
+from loaderplug.types import Identity, IOPolicy
 from tests.hubserver import hub as hub
 
 # Small ranges so a few MiB exercise many spans per file; quick backoff.
@@ -130,20 +130,31 @@ class FaultPlugin:
 
 
 @pytest.fixture
-def inject() -> Iterator[Callable[..., FaultPlugin]]:
-    """Register fault plugins for one test: ``plugin = inject(errno.EIO, "00002")``."""
-    registered: list[FaultPlugin] = []
-    pm = plugin_manager()
+def register_plugin() -> Iterator[Callable[[object], object]]:
+    """Register plugins for one test (``register_plugin(Plugin())``); every one is
+    unregistered when the test ends, whatever happens."""
+    registered: list[object] = []
 
-    def make(*args: int | str | None, **kwargs: int | str | None) -> FaultPlugin:
-        plugin = FaultPlugin(*args, **kwargs)  # type: ignore[arg-type]
-        pm.register(plugin)
+    def add(plugin: object) -> object:
+        plugins.register(plugin)
         registered.append(plugin)
         return plugin
 
-    yield make
-    for plugin in registered:
-        pm.unregister(plugin)
+    yield add
+    for plugin in reversed(registered):
+        plugins.unregister(plugin)
+
+
+@pytest.fixture
+def inject(register_plugin: Callable[[object], object]) -> Callable[..., FaultPlugin]:
+    """Register fault plugins for one test: ``plugin = inject(errno.EIO, "00002")``."""
+
+    def make(*args: int | str | None, **kwargs: int | str | None) -> FaultPlugin:
+        plugin = FaultPlugin(*args, **kwargs)  # type: ignore[arg-type]
+        register_plugin(plugin)
+        return plugin
+
+    return make
 
 
 @pytest.fixture

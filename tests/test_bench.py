@@ -12,9 +12,9 @@ from loaderplug.bench import run_bench
 from loaderplug.cli import main
 from loaderplug.testing.model import write_model
 from loaderplug.testing.volume import VolumeProfile, fuse_unavailable_reason, mounted
+from loaderplug.units import MiB
 from tests.conftest import tree_bytes
 
-MiB = 1 << 20
 needs_fuse = pytest.mark.skipif(
     fuse_unavailable_reason() is not None, reason=f"FUSE: {fuse_unavailable_reason()}"
 )

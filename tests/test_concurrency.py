@@ -12,10 +12,11 @@ from dataclasses import dataclass
 
 import pytest
 
-from loaderplug.concurrency import AdaptiveLimit, Cancelled, FixedLimit
-from loaderplug.settings import AUTO_START_WORKERS
+from loaderplug.concurrency import AdaptiveLimit, FixedLimit
+from loaderplug.ranges import AUTO_START_WORKERS
+from loaderplug.retry import Cancelled
+from loaderplug.units import MiB
 
-MiB = 1 << 20
 TICK = 0.01
 
 
@@ -52,7 +53,7 @@ def run(limit: AdaptiveLimit, clock: Clock, storage: Storage, seconds: float) ->
             slot.transient_error()
         for slot in slots[:ok]:
             nbytes = int(rate * TICK / ok)
-            slot.landed(nbytes, TICK * len(slots) / ok + storage.queueing_s)
+            slot.read_done(nbytes, TICK * len(slots) / ok + storage.queueing_s)
         for slot in slots:
             limit.release(slot)
         seen.append(limit.limit)
@@ -196,7 +197,7 @@ def test_a_step_up_is_judged_after_the_new_readers_first_reads_land() -> None:
         for _ in range(round(seconds / TICK)):
             clock.now += TICK
             slot = limit.acquire(threading.Event())
-            slot.landed(int(mib_per_s * MiB * TICK), read_s)
+            slot.read_done(int(mib_per_s * MiB * TICK), read_s)
             limit.release(slot)
 
     land(0.5, 320, read_s=0.2)  # eight readers, 0.2 s a read

@@ -10,7 +10,6 @@ import pytest
 
 from loaderplug import IOPolicy, TransferFailed, hydrate
 from loaderplug.hookspecs import hookimpl
-from loaderplug.plugins import plugin_manager
 from loaderplug.source import PosixSource
 from tests.conftest import FAST, leftover_temps, tree_bytes
 
@@ -109,7 +108,9 @@ def test_changed_size_or_mtime_is_copied_again(model: Path, tmp_path: Path) -> N
     assert [r.path for r in report.restored] == ["config.json"]
 
 
-def test_source_truncated_after_listing_is_refused(model: Path, tmp_path: Path) -> None:
+def test_source_truncated_after_listing_is_refused(
+    model: Path, tmp_path: Path, register_plugin
+) -> None:
     # The source is truncated after it was listed (identity pinned), before its reads.
     shard = model / "model-00004-of-00004.safetensors"
     size = shard.stat().st_size
@@ -125,11 +126,8 @@ def test_source_truncated_after_listing_is_refused(model: Path, tmp_path: Path) 
             yield
 
     plugin = Truncate()
-    plugin_manager().register(plugin)
-    try:
-        report = hydrate(model, tmp_path / "local", check=False, **FAST)
-    finally:
-        plugin_manager().unregister(plugin)
+    register_plugin(plugin)
+    report = hydrate(model, tmp_path / "local", check=False, **FAST)
     assert [r.path for r in report.failed] == [shard.name]
     assert "source changed while being copied" in report.failed[0].reason
     assert not (tmp_path / "local" / shard.name).exists()
@@ -146,18 +144,17 @@ class ShortSource(PosixSource):
         return super().pread_into(buf[: limit - offset], offset)
 
 
-def test_a_source_that_ends_early_is_refused_not_zero_padded(model: Path, tmp_path: Path) -> None:
+def test_a_source_that_ends_early_is_refused_not_zero_padded(
+    model: Path, tmp_path: Path, register_plugin
+) -> None:
     class Short:
         @hookimpl
         def loaderplug_open_source(self, path: str, policy: IOPolicy) -> ShortSource | None:
             return ShortSource(path, policy) if "00003" in path else None
 
     plugin = Short()
-    plugin_manager().register(plugin)
-    try:
-        report = hydrate(model, tmp_path / "local", check=False, **FAST)
-    finally:
-        plugin_manager().unregister(plugin)
+    register_plugin(plugin)
+    report = hydrate(model, tmp_path / "local", check=False, **FAST)
     assert [r.path for r in report.failed] == ["model-00003-of-00004.safetensors"]
     assert "source is shorter than expected" in report.failed[0].reason
     assert not (tmp_path / "local" / "model-00003-of-00004.safetensors").exists()

@@ -19,13 +19,13 @@ from loaderplug.testing.volume import (
     fuse_unavailable_reason,
     mounted,
 )
+from loaderplug.units import MiB
 from tests.conftest import drop_from_page_cache
 from tests.helpers.tensors import reference, same, write_shards
 
 needs_fuse = pytest.mark.skipif(
     fuse_unavailable_reason() is not None, reason=f"FUSE: {fuse_unavailable_reason()}"
 )
-MiB = 1 << 20
 
 
 @pytest.fixture

@@ -18,8 +18,7 @@ from huggingface_hub import _snapshot_download, constants
 from loaderplug.integrations import huggingface_hub as lp_hub
 
 from loaderplug import hookimpl
-from loaderplug.plugins import plugin_manager
-from loaderplug.volume import MirrorRequest
+from loaderplug.types import MirrorRequest
 from tests.hubserver import HubServer
 
 REPO = "acme/tiny"
@@ -231,7 +230,7 @@ def test_sync_off_leaves_the_mirror_alone(
 
 
 def test_a_plugin_can_point_a_repo_at_another_mirror(
-    hub: HubServer, tmp_path: Path, volume: Path
+    hub: HubServer, tmp_path: Path, volume: Path, register_plugin
 ) -> None:
     sha = hub.add_repo(REPO, FILES)
     elsewhere = tmp_path / "team-mirror"
@@ -245,13 +244,10 @@ def test_a_plugin_can_point_a_repo_at_another_mirror(
             return elsewhere if request.name.startswith("acme/") else None
 
     plugin = TeamMirror()
-    plugin_manager().register(plugin)
-    try:
-        worker_one(hub, tmp_path)
-        hub.reset_counts()
-        path = lp_hub.snapshot_download(REPO, cache_dir=tmp_path / "cache2")
-    finally:
-        plugin_manager().unregister(plugin)
+    register_plugin(plugin)
+    worker_one(hub, tmp_path)
+    hub.reset_counts()
+    path = lp_hub.snapshot_download(REPO, cache_dir=tmp_path / "cache2")
     assert hub.requests == [] and snapshot_bytes(path) == FILES
     assert (elsewhere / FOLDER / "snapshots" / sha).is_dir()
     assert not (volume / "hub" / FOLDER).exists()

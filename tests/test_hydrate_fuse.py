@@ -19,12 +19,12 @@ from loaderplug.testing.volume import (
     fuse_unavailable_reason,
     mounted,
 )
+from loaderplug.units import MiB
 from tests.conftest import FAST, leftover_temps, tree_bytes
 
 pytestmark = pytest.mark.skipif(
     fuse_unavailable_reason() is not None, reason=f"FUSE: {fuse_unavailable_reason()}"
 )
-MiB = 1 << 20
 SHARD2 = "model-00002-of-00004.safetensors"
 
 

@@ -4,7 +4,18 @@ import itertools
 
 import pytest
 
-from loaderplug.ranges import Span, count_spans, plan
+from loaderplug.ranges import (
+    Span,
+    chunk_for_job,
+    chunk_for_source,
+    count_spans,
+    default_sizing,
+    is_adaptive,
+    offset_major,
+    workers_for_chunk,
+)
+from loaderplug.settings import from_env
+from loaderplug.units import MiB
 
 
 def covered(spans: list[Span], file: int) -> list[tuple[int, int]]:
@@ -13,7 +24,7 @@ def covered(spans: list[Span], file: int) -> list[tuple[int, int]]:
 
 @pytest.mark.parametrize("size", [1, 4095, 4096, 4097, 10 * 4096 + 17])
 def test_spans_cover_every_byte_once_including_a_final_partial_range(size: int) -> None:
-    spans = list(plan([size], 4096, split_threshold=1))
+    spans = list(offset_major([size], 4096, split_threshold=1))
     ranges = covered(spans, 0)
     assert ranges[0][0] == 0 and ranges[-1][1] == size
     assert all(a[1] == b[0] for a, b in itertools.pairwise(ranges))
@@ -21,11 +32,11 @@ def test_spans_cover_every_byte_once_including_a_final_partial_range(size: int) 
 
 
 def test_empty_file_is_one_empty_span() -> None:
-    assert list(plan([0], 4096, 0)) == [Span(0, 0, 0)]
+    assert list(offset_major([0], 4096, 0)) == [Span(0, 0, 0)]
 
 
 def test_small_files_are_one_whole_span() -> None:
-    assert list(plan([100, 5000], 1024, split_threshold=1000)) == [
+    assert list(offset_major([100, 5000], 1024, split_threshold=1000)) == [
         Span(0, 0, 100),
         Span(1, 0, 1024),
         Span(1, 1024, 1024),
@@ -36,7 +47,7 @@ def test_small_files_are_one_whole_span() -> None:
 
 
 def test_spans_interleave_across_files_offset_major() -> None:
-    spans = list(plan([3000, 1000, 2500], 1000, split_threshold=1))
+    spans = list(offset_major([3000, 1000, 2500], 1000, split_threshold=1))
     assert [(s.file, s.offset) for s in spans] == [
         (0, 0),
         (1, 0),
@@ -50,5 +61,39 @@ def test_spans_interleave_across_files_offset_major() -> None:
 
 def test_plan_is_lazy() -> None:
     # A petabyte of ranges would not fit in memory if the plan were materialised.
-    spans = plan([1 << 50] * 4, 4096, split_threshold=1)
+    spans = offset_major([1 << 50] * 4, 4096, split_threshold=1)
     assert [s.file for s in itertools.islice(spans, 6)] == [0, 1, 2, 3, 0, 1]
+
+
+def test_workers_alone_scale_the_chunk_to_the_budget() -> None:
+    s = from_env({"LOADERPLUG_HYDRATE_WORKERS": "32"})
+    assert chunk_for_source(s) == 16 * MiB
+    assert default_sizing(s).workers == 32
+
+
+def test_derived_chunk_is_capped_at_64_mib() -> None:
+    assert chunk_for_source(from_env({"LOADERPLUG_BYTES_IN_FLIGHT": "4GiB"})) == 64 * MiB
+
+
+def test_explicit_chunk_is_never_rescaled_and_the_budget_limits_workers() -> None:
+    s = from_env({"LOADERPLUG_CHUNK_BYTES": "256M"})
+    assert chunk_for_source(s) == 256 * MiB
+    assert default_sizing(s).workers == 2  # 512 MiB in flight / 256 MiB
+
+
+def test_auto_workers_split_the_budget_for_the_most_readers_auto_may_run() -> None:
+    s = from_env({"LOADERPLUG_HYDRATE_WORKERS": " Auto "})
+    assert is_adaptive(s) and s.hydrate_workers == "auto"
+    assert (chunk_for_source(s), default_sizing(s).workers) == (16 * MiB, 32)
+    # Small jobs are fitted for the sixteen workers auto starts with, as for sixteen
+    # fixed workers.
+    fixed = from_env({"LOADERPLUG_HYDRATE_WORKERS": "16"})
+    assert chunk_for_job(s, 1024 * MiB) == chunk_for_job(fixed, 1024 * MiB) == 8 * MiB
+    assert chunk_for_job(s, 4096 * MiB) == 16 * MiB
+    # From a local disk auto reads long ranges, at most 8 at once, whatever the job.
+    assert chunk_for_job(s, 1024 * MiB, network=False) == 64 * MiB
+    assert workers_for_chunk(s, 64 * MiB) == 8
+    assert chunk_for_job(fixed, 1024 * MiB, network=False) == 8 * MiB
+    # An explicit chunk leaves room for fewer readers within the same budget.
+    explicit = from_env({"LOADERPLUG_HYDRATE_WORKERS": "auto", "LOADERPLUG_CHUNK_BYTES": "64M"})
+    assert default_sizing(explicit).workers == 8

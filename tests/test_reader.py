@@ -10,9 +10,8 @@ from pathlib import Path
 import pytest
 
 from loaderplug import FormatError, TransferFailed, hookimpl
-from loaderplug.fs import IOPolicy
-from loaderplug.plugins import plugin_manager
 from loaderplug.source import PosixSource
+from loaderplug.types import IOPolicy
 from tests.conftest import FAST
 
 torch = pytest.importorskip("torch")
@@ -69,7 +68,9 @@ class SlowSource(PosixSource):
         return super().pread_into(buf, offset)
 
 
-def test_first_tensor_arrives_before_the_last_range_lands(shards: list[Path]) -> None:
+def test_first_tensor_arrives_before_the_last_range_lands(
+    shards: list[Path], register_plugin
+) -> None:
     events: list[str] = []
     lock = threading.Lock()
 
@@ -86,13 +87,10 @@ def test_first_tensor_arrives_before_the_last_range_lands(shards: list[Path]) ->
                 events.append("range")
 
     plugin = Observe()
-    plugin_manager().register(plugin)
-    try:
-        for _name, _tensor in iter_tensors(shards, **{**STREAMED, "hydrate_workers": 2}):
-            with lock:
-                events.append("tensor")
-    finally:
-        plugin_manager().unregister(plugin)
+    register_plugin(plugin)
+    for _name, _tensor in iter_tensors(shards, **{**STREAMED, "hydrate_workers": 2}):
+        with lock:
+            events.append("tensor")
     first_tensor = events.index("tensor")
     last_range = len(events) - 1 - events[::-1].index("range")
     assert first_tensor < last_range, "tensors were held back until every range had landed"
@@ -157,7 +155,9 @@ def test_load_file_streams_a_cold_file_read_direct(shards: list[Path]) -> None:
 
 
 @pytest.mark.parametrize("floats", [10, 3 * 16384 + 25])  # all tail / three blocks and a tail
-def test_a_tail_shorter_than_the_alignment_reads_whole(tmp_path: Path, floats: int) -> None:
+def test_a_tail_shorter_than_the_alignment_reads_whole(
+    tmp_path: Path, floats: int, register_plugin
+) -> None:
     path = tmp_path / "tail.safetensors"
     safetensors_torch.save_file({"w": torch.randn(floats), "b": torch.randn(3)}, str(path))
     align = 64 * 1024
@@ -169,11 +169,8 @@ def test_a_tail_shorter_than_the_alignment_reads_whole(tmp_path: Path, floats: i
             return IOPolicy(direct=True, alignment=align, fs_type="ext4", reason="test")
 
     plugin = Wide()
-    plugin_manager().register(plugin)
-    try:
-        stats: dict[str, object] = {}
-        got = dict(iter_tensors([path], stats=stats, chunk_bytes="64K", split_threshold_bytes=0))
-    finally:
-        plugin_manager().unregister(plugin)
+    register_plugin(plugin)
+    stats: dict[str, object] = {}
+    got = dict(iter_tensors([path], stats=stats, chunk_bytes="64K", split_threshold_bytes=0))
     assert stats["io"][str(path)].startswith("direct")  # type: ignore[index]
     assert all(same(got[k], v) for k, v in safetensors_torch.load_file(str(path)).items())

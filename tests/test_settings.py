@@ -5,37 +5,27 @@ from __future__ import annotations
 import pytest
 
 from loaderplug.errors import SettingsError
-from loaderplug.settings import GiB, MiB, from_env
+from loaderplug.ranges import (
+    chunk_for_source,
+    default_sizing,
+    workers_for_chunk,
+)
+from loaderplug.settings import from_env
+from loaderplug.units import GiB, MiB
 
 
 def test_defaults() -> None:
     s = from_env({})
-    assert (s.hydrate_workers, s.bytes_in_flight, s.effective_chunk_bytes) == (
+    assert (s.hydrate_workers, s.bytes_in_flight, chunk_for_source(s)) == (
         "auto",
         512 * MiB,
         16 * MiB,
     )
     # Auto may climb to 32 readers of 16 MiB; 64 MiB ranges would leave room for 8.
-    assert s.effective_workers == 32
-    assert s.workers_for_chunk(64 * MiB) == 8
+    assert default_sizing(s).workers == 32
+    assert workers_for_chunk(s, 64 * MiB) == 8
     assert s.fsync is True and s.chunk_bytes is None
-    assert all(src == "default" for src in s.sources.values())
-
-
-def test_workers_alone_scale_the_chunk_to_the_budget() -> None:
-    s = from_env({"LOADERPLUG_HYDRATE_WORKERS": "32"})
-    assert s.effective_chunk_bytes == 16 * MiB
-    assert s.effective_workers == 32
-
-
-def test_derived_chunk_is_capped_at_64_mib() -> None:
-    assert from_env({"LOADERPLUG_BYTES_IN_FLIGHT": "4GiB"}).effective_chunk_bytes == 64 * MiB
-
-
-def test_explicit_chunk_is_never_rescaled_and_the_budget_limits_workers() -> None:
-    s = from_env({"LOADERPLUG_CHUNK_BYTES": "256M"})
-    assert s.effective_chunk_bytes == 256 * MiB
-    assert s.effective_workers == 2  # 512 MiB in flight / 256 MiB
+    assert all(src == "default" for src in s.origins.values())
 
 
 @pytest.mark.parametrize(
@@ -80,7 +70,7 @@ def test_zero_is_a_value_not_a_default() -> None:
 def test_empty_means_unset() -> None:
     s = from_env({"LOADERPLUG_HYDRATE_WORKERS": "", "LOADERPLUG_CHUNK_BYTES": "  "})
     assert s.hydrate_workers == "auto" and s.chunk_bytes is None
-    assert s.sources["hydrate_workers"] == "default"
+    assert s.origins["hydrate_workers"] == "default"
 
 
 @pytest.mark.parametrize("value", [True, False])
@@ -137,7 +127,7 @@ def test_unknown_variable_warns_with_the_closest_name() -> None:
 
 def test_overrides_win_over_the_environment_and_are_checked() -> None:
     s = from_env({"LOADERPLUG_HYDRATE_WORKERS": "4"}, hydrate_workers=16)
-    assert s.hydrate_workers == 16 and s.sources["hydrate_workers"] == "override"
+    assert s.hydrate_workers == 16 and s.origins["hydrate_workers"] == "override"
     assert from_env({"LOADERPLUG_HYDRATE_WORKERS": "4"}, hydrate_workers=None).hydrate_workers == 4
     with pytest.raises(SettingsError) as info:
         from_env({}, hydrate_worker=3)
@@ -153,21 +143,3 @@ def test_settings_are_frozen() -> None:
 def test_disable_plugins_is_a_list_of_names() -> None:
     s = from_env({"LOADERPLUG_DISABLE_PLUGINS": "a, b,,c"})
     assert s.disable_plugins == ("a", "b", "c")
-
-
-def test_auto_workers_split_the_budget_for_the_most_readers_auto_may_run() -> None:
-    s = from_env({"LOADERPLUG_HYDRATE_WORKERS": " Auto "})
-    assert s.adaptive_workers and s.hydrate_workers == "auto"
-    assert (s.effective_chunk_bytes, s.effective_workers) == (16 * MiB, 32)
-    # Small jobs are fitted for the sixteen workers auto starts with, as for sixteen
-    # fixed workers.
-    fixed = from_env({"LOADERPLUG_HYDRATE_WORKERS": "16"})
-    assert s.chunk_for_job(1024 * MiB) == fixed.chunk_for_job(1024 * MiB) == 8 * MiB
-    assert s.chunk_for_job(4096 * MiB) == 16 * MiB
-    # From a local disk auto reads long ranges, at most 8 at once, whatever the job.
-    assert s.chunk_for_job(1024 * MiB, network=False) == 64 * MiB
-    assert s.workers_for_chunk(64 * MiB) == 8
-    assert fixed.chunk_for_job(1024 * MiB, network=False) == 8 * MiB
-    # An explicit chunk leaves room for fewer readers within the same budget.
-    explicit = from_env({"LOADERPLUG_HYDRATE_WORKERS": "auto", "LOADERPLUG_CHUNK_BYTES": "64M"})
-    assert explicit.effective_workers == 8

@@ -166,7 +166,7 @@ class InOrderBackend:
 
 def test_a_tensor_finished_by_one_writer_waits_for_another_writers_copies() -> None:
     from loaderplug.header import Header, TensorInfo
-    from loaderplug.reader import DeviceTensorSink
+    from loaderplug.tensor_sinks import DeviceTensorSink
 
     tensor = TensorInfo("w", "U8", (8,), 8, 16)
     header = Header("f", 16, 8, (tensor,), {})

@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 
 from loaderplug.testing.volume import TestVolume, VolumeProfile, fuse_unavailable_reason, mounted
+from loaderplug.units import MiB
 
 pytestmark = [
     pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed"),
@@ -27,7 +28,6 @@ pytestmark = [
     ),
 ]
 REPO = Path(__file__).resolve().parent.parent
-MiB = 1 << 20
 
 
 @dataclass

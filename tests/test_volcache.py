@@ -14,6 +14,7 @@ from loaderplug.integrations import volcache
 from loaderplug.errors import SettingsError
 from loaderplug.settings import from_env
 from loaderplug.testing.volume import TestVolume, VolumeProfile, fuse_unavailable_reason, mounted
+from loaderplug.units import MiB
 from tests.helpers.tensors import reference, same, write_shards
 
 torch = pytest.importorskip("torch")
@@ -21,7 +22,6 @@ pytest.importorskip("safetensors")
 needs_fuse = pytest.mark.skipif(
     fuse_unavailable_reason() is not None, reason=f"FUSE: {fuse_unavailable_reason()}"
 )
-MiB = 1 << 20
 REPO = Path(__file__).resolve().parent.parent
 QUIET = {"fsync": False, "progress": False}
 
@@ -57,14 +57,16 @@ def test_a_weight_file_named_by_the_index_but_missing_is_a_clear_error(tmp_path:
 
 def test_a_folder_without_weights_is_a_clear_error(tmp_path: Path) -> None:
     with pytest.raises(volcache.WeightsError, match=r"no \*\.safetensors weights"):
-        volcache.plan(str(tmp_path), None, from_env())
+        volcache.locate_weights(str(tmp_path), None, from_env())
 
 
 def test_a_local_folder_is_read_in_place(tmp_path: Path) -> None:
     shards = write_shards(tmp_path)
-    plan = volcache.plan(str(tmp_path), None, from_env(local_dir=str(tmp_path / "copies")))
-    assert plan.local_copy is None and plan.files == shards
-    got = dict(volcache.stream(plan, from_env(**QUIET)))
+    weights = volcache.locate_weights(
+        str(tmp_path), None, from_env(local_dir=str(tmp_path / "copies"))
+    )
+    assert weights.local_copy is None and weights.files == shards
+    got = dict(volcache.stream(weights, from_env(**QUIET)))
     assert all(same(got[k], v) for k, v in reference(shards).items())
 
 
@@ -74,17 +76,17 @@ def test_a_folder_under_the_volume_is_hydrated_once_then_read_locally(tmp_path: 
     model.mkdir(parents=True)
     shards = write_shards(model)
     settings = from_env(volume=str(volume), local_dir=str(tmp_path / "copies"), **QUIET)
-    plan = volcache.plan(str(model), None, settings)
-    assert plan.local_copy is not None and plan.local_copy.parent == tmp_path / "copies"
-    got = dict(volcache.stream(plan, settings))
+    weights = volcache.locate_weights(str(model), None, settings)
+    assert weights.local_copy is not None and weights.local_copy.parent == tmp_path / "copies"
+    got = dict(volcache.stream(weights, settings))
     assert all(same(got[k], v) for k, v in reference(shards).items())
     for shard in shards:
-        assert (plan.local_copy / shard.name).read_bytes() == shard.read_bytes()
+        assert (weights.local_copy / shard.name).read_bytes() == shard.read_bytes()
     # A later start finds the copy current: the mirror is not read again.
     for shard in shards:
         shard.chmod(0)
     try:
-        again = dict(volcache.stream(plan, settings))
+        again = dict(volcache.stream(weights, settings))
     finally:
         for shard in shards:
             shard.chmod(0o644)
@@ -101,15 +103,15 @@ def test_a_repo_id_is_found_in_the_mirrors_hub_layout(tmp_path: Path) -> None:
     (repo / "refs").mkdir()
     (repo / "refs" / "main").write_text(commit)
     settings = from_env(volume=str(volume), local_dir=str(tmp_path / "copies"), **QUIET)
-    plan = volcache.plan("acme/tiny", None, settings)
-    assert plan.folder == snapshot and plan.files == shards
-    assert plan.local_copy is not None and plan.local_copy.name.startswith("acme--tiny-")
+    weights = volcache.locate_weights("acme/tiny", None, settings)
+    assert weights.folder == snapshot and weights.files == shards
+    assert weights.local_copy is not None and weights.local_copy.name.startswith("acme--tiny-")
 
 
 def test_an_unknown_model_names_both_places_it_looked(tmp_path: Path) -> None:
     settings = from_env(volume=str(tmp_path))
     with pytest.raises(volcache.WeightsError, match="not in the local Hugging Face cache"):
-        volcache.plan("acme/absent", None, settings)
+        volcache.locate_weights("acme/absent", None, settings)
 
 
 def test_bad_settings_fail_before_any_read() -> None:
@@ -132,8 +134,10 @@ def test_a_folder_on_a_fuse_mount_is_a_mirror(
     fuse_mirror: tuple[TestVolume, list[Path]], tmp_path: Path
 ) -> None:
     vol, _shards = fuse_mirror
-    plan = volcache.plan(str(vol.mountpoint), None, from_env(local_dir=str(tmp_path / "c")))
-    assert plan.local_copy is not None
+    weights = volcache.locate_weights(
+        str(vol.mountpoint), None, from_env(local_dir=str(tmp_path / "c"))
+    )
+    assert weights.local_copy is not None
 
 
 RANK = """
@@ -141,8 +145,8 @@ import json, sys, zlib
 from loaderplug.integrations import volcache
 from loaderplug.settings import from_env
 settings = from_env(fsync=False, progress=False)
-plan = volcache.plan(sys.argv[1], None, settings)
-sums = {n: zlib.crc32(t.numpy().tobytes()) for n, t in volcache.stream(plan, settings)}
+weights = volcache.locate_weights(sys.argv[1], None, settings)
+sums = {n: zlib.crc32(t.numpy().tobytes()) for n, t in volcache.stream(weights, settings)}
 print(json.dumps(sums))
 """
 

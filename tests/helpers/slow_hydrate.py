@@ -12,10 +12,10 @@ import sys
 import time
 
 from loaderplug.cli import main
-from loaderplug.fs import IOPolicy
 from loaderplug.hookspecs import hookimpl
 from loaderplug.plugins import plugin_manager
 from loaderplug.source import PosixSource
+from loaderplug.types import IOPolicy
 
 
 class SlowSource(PosixSource):

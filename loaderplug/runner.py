@@ -1,0 +1,393 @@
+"""The runner: executes any :class:`~loaderplug.plan.Plan`, the same way for every job.
+
+It alone owns what every job shares:
+
+1. the destination's lock, and sweeping the temp files a killed run left there;
+2. listing the source (under the lock: a job that waited sees what the other left);
+3. the current-file rule (:func:`~loaderplug.sinks.is_current_copy`): a copy that is
+   current is skipped, or, when the job loads tensors, read locally instead of from the
+   source;
+4. the IO policy of every file, its sinks (a :class:`~loaderplug.sinks.FileSink` for a
+   copy, the plan's tensor sink for a load) and, for a load, its header;
+5. the engine's run, with a progress bar, and the tensors it hands over;
+6. symlinks, refusals, the plan's ``finish`` step, every observer call, and the report.
+
+A load's lock is let go as soon as nothing is left to publish, so ranks that find the
+local copy current read it side by side.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import posixpath
+import queue
+import sys
+import threading
+import time
+from collections.abc import Callable, Generator, Iterator
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from loaderplug.concurrency import AdaptiveLimit, ConcurrencyLimit, FixedLimit
+from loaderplug.engine import Engine, EngineStats, FileTask
+from loaderplug.errors import FormatError, HydrateError
+from loaderplug.fs import is_network_type
+from loaderplug.header import LENGTH_BYTES, Header, header_length, parse_header
+from loaderplug.lock import FolderLock
+from loaderplug.plan import FileEntry, Listing, Plan
+from loaderplug.plugins import Plugins
+from loaderplug.ranges import count_spans, default_sizing, size_job
+from loaderplug.report import TransferReport
+from loaderplug.retry import RetryPolicy, retrying
+from loaderplug.settings import Settings
+from loaderplug.sinks import Sink, file_sink, is_current_copy, temp_name_for
+from loaderplug.types import FileResult, Identity, IOPolicy, Source, Status
+
+
+def run(plan: Plan, settings: Settings) -> TransferReport:
+    """Execute a plan that loads no tensors; returns its report."""
+    runner = Runner(plan, settings)
+    for _ in runner.tensors():
+        raise AssertionError("a copy job handed over a tensor")
+    assert runner.report is not None
+    return runner.report
+
+
+@dataclass
+class _Prepared:
+    """A job's files once the lock is held: what the engine reads, what is mapped, and
+    the results already known (skipped, refused, ...)."""
+
+    tasks: list[FileTask] = field(default_factory=list)
+    mapped: list[tuple[str, Header]] = field(default_factory=list)
+    results: list[FileResult] = field(default_factory=list)
+    header_retries: int = 0
+
+
+class Runner:
+    """One execution of a plan. :meth:`tensors` runs it (yielding tensors, for a load);
+    afterwards :attr:`report`, :attr:`first_tensor_s` and :attr:`io_modes` tell what
+    happened."""
+
+    def __init__(self, plan: Plan, settings: Settings) -> None:
+        self.plan = plan
+        self.settings = settings
+        self.plugins = Plugins(settings)
+        self.report: TransferReport | None = None
+        self.first_tensor_s: float | None = None
+        self.io_modes: dict[str, str] = {}  # source path -> how it was read, and why
+        self._policies: dict[str, IOPolicy] = {}
+        self._sizing = default_sizing(settings)
+        self._ready: queue.SimpleQueue[tuple[str, str, Any] | None] = queue.SimpleQueue()
+
+    def tensors(self) -> Iterator[tuple[str, Any]]:
+        plan, settings = self.plan, self.settings
+        lock = FolderLock(plan.lock_dir, settings.lock_timeout_s) if plan.lock_dir else None
+        waited = lock.acquire() if lock is not None else 0.0
+        try:
+            for leftover in plan.leftovers():
+                # We hold the lock, so any temp file here belongs to a run that died.
+                leftover.unlink(missing_ok=True)
+            listing = plan.list_files()
+            started = time.monotonic()
+            prepared = self._prepare(listing)
+            if lock is not None and plan.tensors is not None and not self._publishes(prepared):
+                lock.release()  # nothing left to publish: others may read side by side
+            stats = yield from self._execute(prepared, started)
+            results = prepared.results + stats.results
+            failed = {r.path for r in results if r.status == "failed"} | set(listing.refused)
+            others = [
+                self._place_symlink(rel, target, failed)
+                for rel, target in sorted(listing.symlinks.items())
+            ]
+            others += [
+                FileResult(rel, "failed", reason=reason)
+                for rel, reason in sorted(listing.refused.items())
+            ]
+            # The engine told observers of the files it read; these are the rest.
+            for result in prepared.results + others:
+                self.plugins.notify_file_done(plan.job, result)
+            report = self._report(results + others, stats, prepared, started, waited)
+            if plan.finish is not None:
+                plan.finish(listing, report)
+        finally:
+            if lock is not None:
+                lock.release()
+        self.report = report
+        self.plugins.notify_job_done(report)
+
+    # -- before the engine --------------------------------------------------------------
+
+    def _prepare(self, listing: Listing) -> _Prepared:
+        prepared = _Prepared(results=self._make_dirs(listing.dirs))
+        for entry in listing.files:
+            copy_to = entry.copy_to
+            if copy_to is not None and is_current_copy(copy_to, entry.identity):
+                if self.plan.tensors is None:
+                    prepared.results.append(FileResult(entry.rel, "skipped", entry.identity.size))
+                    continue
+                # Read the current local copy instead of the source: nothing to publish.
+                local = Identity.of(os.stat(copy_to))
+                entry = replace(entry, source=copy_to, identity=local, copy_to=None)
+            self._prepare_entry(entry, prepared)
+        return prepared
+
+    def _prepare_entry(self, entry: FileEntry, prepared: _Prepared) -> None:
+        plan, settings = self.plan, self.settings
+        policy = self._policy(entry.source)
+        sinks: list[Sink] = []
+        if entry.copy_to is not None:
+            check = functools.partial(plan.verify, entry.rel) if plan.verify else None
+            target = self._policy(entry.copy_to)
+            sinks.append(
+                file_sink(entry.copy_to, entry.identity, target, fsync=settings.fsync, verify=check)
+            )
+        mode = f"{'direct' if policy.direct else 'buffered'} ({policy.reason})"
+        if plan.tensors is not None:
+            header, retries = self._read_header(entry, policy)
+            prepared.header_retries += retries
+            if entry.copy_to is None and plan.tensors.maps(policy):
+                self.io_modes[str(entry.source)] = f"mapped ({policy.reason})"
+                prepared.mapped.append((entry.rel, header))
+                return
+            rel = entry.rel
+            sinks.append(plan.tensors.sink(header, lambda name, t: self._ready.put((rel, name, t))))
+        self.io_modes[str(entry.source)] = mode
+        outcome: Status = "restored" if entry.copy_to is not None else "loaded"
+        prepared.tasks.append(
+            FileTask(entry.rel, str(entry.source), entry.identity, sinks, policy, outcome=outcome)
+        )
+
+    def _policy(self, path: Path) -> IOPolicy:
+        """One IO-policy decision per folder, not per file. A destination folder may not
+        exist yet: its policy is decided from the nearest existing parent."""
+        key = str(path.parent)
+        if key not in self._policies:
+            self._policies[key] = self.plugins.io_policy(path)
+        return self._policies[key]
+
+    def _read_header(self, entry: FileEntry, policy: IOPolicy) -> tuple[Header, int]:
+        """The file's header (two small reads), retried like any read; a file that
+        changed since it was listed fails here."""
+        path = str(entry.source)
+
+        def read() -> Header:
+            source = self.plugins.open_source(path, policy)
+            try:
+                if source.identity() != entry.identity:
+                    raise HydrateError(
+                        f"{path}: changed since it was listed (now {source.identity().describe()})",
+                        path=path,
+                    )
+                return _read_header(source, path)
+            finally:
+                source.close()
+
+        def give_up(exc: OSError, attempts: int | None) -> HydrateError:
+            tries = f" after {attempts} attempts" if attempts else ""
+            return HydrateError(
+                f"{path}: reading the header failed{tries}: {exc.strerror or exc}",
+                path=path,
+                errno=exc.errno,
+            )
+
+        return retrying(read, RetryPolicy.of(self.settings), give_up)
+
+    def _make_dirs(self, dirs: list[str]) -> list[FileResult]:
+        """Create the source's folders (empty ones included); a clash is that path's failure."""
+        failures: list[FileResult] = []
+        root = self.plan.destination
+        if root is None:
+            return failures
+        for rel in dirs:
+            try:
+                (root / rel).mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                reason = f"cannot create the folder: {exc.strerror or exc}"
+                failures.append(FileResult(rel, "failed", reason=reason, errno=exc.errno))
+        return failures
+
+    @staticmethod
+    def _publishes(prepared: _Prepared) -> bool:
+        return any(t.outcome == "restored" for t in prepared.tasks)
+
+    # -- the engine ---------------------------------------------------------------------
+
+    def _engine(self, tasks: list[FileTask]) -> Engine:
+        settings = self.settings
+        total = sum(t.size for t in tasks)
+        # Whether any source is on a network filesystem: auto splits the budget for many
+        # readers there, for few long ranges on a local disk.
+        network = any(is_network_type(t.policy.fs_type) for t in tasks)
+        sizing = self._sizing = size_job(settings, total, network=network)
+        threshold = settings.split_threshold_bytes
+        spans = sum(count_spans(t.size, sizing.chunk, threshold) for t in tasks)
+        readers = max(1, min(sizing.workers, spans))
+        limit: ConcurrencyLimit = AdaptiveLimit(readers) if sizing.adaptive else FixedLimit(readers)
+        return Engine(
+            open_source=self.plugins.open_source,
+            limit=limit,
+            chunk=sizing.chunk,
+            split_threshold=threshold,
+            buffers=settings.bytes_in_flight // sizing.chunk,
+            retry=RetryPolicy.of(settings),
+            observer=_Observer(self.plugins, self.plan.job),
+            on_bytes=self._progress(total),
+            name=self.plan.job,
+        )
+
+    def _execute(
+        self, prepared: _Prepared, started: float
+    ) -> Generator[tuple[str, Any], None, EngineStats]:
+        """Run the engine over the prepared files, handing over tensors as they complete;
+        returns the engine's stats (through ``yield from``)."""
+        if not prepared.tasks:
+            yield from self._hand_over_mapped(prepared, started)
+            return _empty_stats(self.settings)
+        engine = self._engine(prepared.tasks)
+        try:
+            if self.plan.tensors is None:
+                return engine.run(prepared.tasks)
+            outcome: dict[str, Any] = {}
+
+            def run_engine() -> None:
+                try:
+                    outcome["stats"] = engine.run(prepared.tasks)
+                except BaseException as exc:
+                    outcome["error"] = exc
+                finally:
+                    self._ready.put(None)
+
+            worker = threading.Thread(target=run_engine, name="loaderplug-load", daemon=True)
+            worker.start()
+            try:
+                yield from self._hand_over_mapped(prepared, started)
+                while (item := self._ready.get()) is not None:
+                    yield self._hand_over(*item, started)
+            finally:
+                if worker.is_alive():  # the consumer stopped early, or an error: stop
+                    engine.cancel()
+                while worker.is_alive():
+                    worker.join(0.1)
+            if "error" in outcome:
+                raise outcome["error"]
+            stats: EngineStats = outcome["stats"]
+            return stats
+        finally:
+            self._close_progress()
+
+    def _hand_over_mapped(self, prepared: _Prepared, started: float) -> Iterator[tuple[str, Any]]:
+        for rel, header in prepared.mapped:
+            assert self.plan.tensors is not None
+            for name, tensor in self.plan.tensors.mapped(header):
+                yield self._hand_over(rel, name, tensor, started)
+            prepared.results.append(FileResult(rel, "loaded", header.size))
+
+    def _hand_over(self, rel: str, name: str, tensor: Any, started: float) -> tuple[str, Any]:
+        if self.first_tensor_s is None:
+            self.first_tensor_s = time.monotonic() - started
+        self.plugins.notify_tensor_ready(self.plan.job, rel, name, tensor)
+        return name, tensor
+
+    # -- after the engine ---------------------------------------------------------------
+
+    def _place_symlink(self, rel: str, target: str, failed: set[str]) -> FileResult:
+        """Recreate one relative symlink, unless what it points at failed to copy."""
+        pointee = posixpath.normpath(posixpath.join(posixpath.dirname(rel), target))
+        if pointee in failed:
+            return FileResult(
+                rel, "failed", reason=f"not linked: its target {pointee} failed to copy"
+            )
+        assert self.plan.destination is not None
+        dst = self.plan.destination / rel
+        try:
+            if os.path.islink(dst) and os.readlink(dst) == target:
+                return FileResult(rel, "skipped")
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            temp = temp_name_for(dst)
+            os.symlink(target, temp)
+            try:
+                os.replace(temp, dst)
+            except BaseException:
+                os.unlink(temp)
+                raise
+        except OSError as exc:
+            return FileResult(
+                rel, "failed", reason=f"cannot create symlink: {exc}", errno=exc.errno
+            )
+        return FileResult(rel, "linked")
+
+    def _report(
+        self,
+        results: list[FileResult],
+        stats: EngineStats,
+        prepared: _Prepared,
+        started: float,
+        waited: float,
+    ) -> TransferReport:
+        plan = self.plan
+        return TransferReport(
+            job=plan.job,
+            source=plan.source,
+            destination=str(plan.destination or ""),
+            # A fixed count is reported as set (fewer readers run for fewer spans); an
+            # adaptive one where it ended, with the range it moved in.
+            workers=stats.workers if stats.workers_range else self._sizing.workers,
+            chunk_bytes=stats.chunk,
+            results=results,
+            bytes_copied=stats.bytes_copied,
+            seconds=time.monotonic() - started,
+            retries=stats.retries + prepared.header_retries,
+            waited_for_lock_s=waited,
+            workers_range=stats.workers_range,
+        )
+
+    # -- progress -----------------------------------------------------------------------
+
+    _bar: Any = None
+
+    def _progress(self, total: int) -> Callable[[int], None] | None:
+        if not (self.settings.progress and sys.stderr.isatty()) or total == 0:
+            return None
+        from tqdm.auto import tqdm
+
+        desc = f"{self.plan.job} {Path(self.plan.source).name}"
+        self._bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=desc)
+        return self._bar.update  # type: ignore[no-any-return]
+
+    def _close_progress(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+
+
+class _Observer:
+    """The engine's observer: every call goes to the plugins' (guarded) observe hooks."""
+
+    def __init__(self, plugins: Plugins, job: str) -> None:
+        self.plugins, self.job = plugins, job
+
+    def range_done(self, rel: str, offset: int, length: int, retries: int) -> None:
+        self.plugins.notify_range_done(self.job, rel, offset, length, retries)
+
+    def file_done(self, result: FileResult) -> None:
+        self.plugins.notify_file_done(self.job, result)
+
+
+def _empty_stats(settings: Settings) -> EngineStats:
+    sizing = default_sizing(settings)
+    return EngineStats([], 0, 0, sizing.chunk, sizing.workers, None, cancelled=False)
+
+
+def _read_header(source: Source, path: str) -> Header:
+    """Read and validate the header of an open source (two small reads)."""
+    size = source.size
+    first = bytearray(min(size, LENGTH_BYTES))
+    got = source.pread_into(memoryview(first), 0)
+    n = header_length(path, bytes(first[:got]), size)
+    raw = bytearray(n)
+    if source.pread_into(memoryview(raw), LENGTH_BYTES) < n:
+        raise FormatError(f"{path}: file ended inside its header")
+    return parse_header(path, bytes(raw), size)

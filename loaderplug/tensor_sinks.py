@@ -1,0 +1,235 @@
+"""Tensor sinks: a file's landed ranges become tensors, each handed over once complete.
+
+:class:`TensorSink` assembles a file's bytes in host memory; :class:`DeviceTensorSink`
+sends each landed range to device memory through pinned staging (see
+:mod:`loaderplug.staging`). :func:`mapped_tensors` serves a file that is in memory already
+(tmpfs, a warm page cache) over a private mapping instead, as safetensors does.
+"""
+
+from __future__ import annotations
+
+import bisect
+import mmap
+import os
+import threading
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+from loaderplug.dtypes import DTYPES
+from loaderplug.engine import READ_PADDING
+from loaderplug.errors import FormatError, LoaderplugError
+from loaderplug.header import Header, TensorInfo
+from loaderplug.plan import Emit
+from loaderplug.staging import StagingPool, as_bytes
+
+if TYPE_CHECKING:
+    import torch
+
+
+def torch_module() -> Any:
+    try:
+        import torch
+    except ImportError as exc:
+        raise LoaderplugError(
+            "reading tensors needs torch: pip install 'loaderplug[torch]'"
+        ) from exc
+    return torch
+
+
+def torch_dtype(path: str, name: str, dtype: str) -> torch.dtype:
+    known = DTYPES.get(dtype)
+    found = getattr(torch_module(), known.torch_name, None) if known else None
+    if found is None:
+        raise FormatError(f"{path}: tensor {name!r}: dtype {dtype} is not supported by this torch")
+    return found  # type: ignore[no-any-return]
+
+
+def torch_dtypes(header: Header) -> dict[str, torch.dtype]:
+    """Each tensor's torch dtype; a dtype this torch lacks fails before any read."""
+    return {t.name: torch_dtype(header.path, t.name, t.dtype) for t in header.tensors}
+
+
+class _Coverage:
+    """Counts the bytes of each non-empty tensor still to land; thread-safe."""
+
+    def __init__(self, header: Header) -> None:
+        self.tensors = [t for t in header.tensors if t.nbytes]
+        self._starts = [t.begin for t in self.tensors]
+        self._left = {t.name: t.nbytes for t in self.tensors}
+        self._lock = threading.Lock()
+        self.aborted = False
+
+    def pieces(self, offset: int, end: int) -> Iterator[tuple[TensorInfo, int, int]]:
+        """``(tensor, begin, end)`` for each tensor overlapping ``[offset, end)``."""
+        first = max(0, bisect.bisect_right(self._starts, offset) - 1)
+        for t in self.tensors[first:]:
+            if t.begin >= end:
+                return
+            begin, stop = max(offset, t.begin), min(end, t.end)
+            if stop > begin:
+                yield t, begin, stop
+
+    def landed(self, offset: int, end: int) -> list[TensorInfo]:
+        """Record ``[offset, end)`` as landed; returns the tensors it completed (none once
+        aborted, so a failed file never hands over a tensor)."""
+        done = []
+        with self._lock:
+            if self.aborted:
+                return []
+            for t, begin, stop in self.pieces(offset, end):
+                self._left[t.name] -= stop - begin
+                if self._left[t.name] == 0:
+                    done.append(t)
+        return done
+
+    def check_complete(self, path: str) -> None:
+        with self._lock:
+            missing = [name for name, left in self._left.items() if left]
+        if missing:
+            raise FormatError(f"{path}: tensors never completed: {missing[:5]}")
+
+    def abort(self) -> None:
+        with self._lock:
+            self.aborted = True
+
+
+class TensorSink:
+    """Assembles a file's tensors in host memory of their own; emits each once complete.
+
+    The file's bytes land in one page-aligned anonymous mapping per file, at their file
+    offsets: the engine reads ranges straight into it (:meth:`place`) or, when it staged
+    them elsewhere, :meth:`write` copies them in. A finished tensor is a view of that
+    mapping, which is never reused, so it keeps its bytes for as long as it lives.
+    """
+
+    def __init__(self, header: Header, device: str, emit: Emit) -> None:
+        self.header = header
+        self.device = device
+        self.emit = emit
+        self._dtypes = torch_dtypes(header)
+        self._coverage = _Coverage(header)
+        self._mapping: mmap.mmap | None = None
+        self._view = memoryview(b"")
+
+    def prepare(self) -> None:
+        # Room past the end for the last range's read, padded to the O_DIRECT alignment.
+        self._mapping = mmap.mmap(-1, self.header.size + READ_PADDING)
+        self._view = memoryview(self._mapping)
+        for t in self.header.tensors:
+            if not t.nbytes:
+                self._deliver(t)
+
+    def place(self, offset: int, length: int) -> memoryview:
+        return self._view[offset : offset + length]
+
+    def write(self, data: memoryview, offset: int) -> None:
+        if data.obj is not self._mapping:  # staged elsewhere: copy it in
+            self._view[offset : offset + len(data)] = data
+        for t in self._coverage.landed(offset, offset + len(data)):
+            self._deliver(t)
+
+    def _deliver(self, t: TensorInfo) -> None:
+        torch = torch_module()
+        if t.nbytes:
+            raw = torch.frombuffer(self._mapping, dtype=torch.uint8, count=t.nbytes, offset=t.begin)
+        else:
+            raw = torch.empty(0, dtype=torch.uint8)
+        tensor = raw.view(self._dtypes[t.name]).reshape(t.shape)
+        if self.device != "cpu":  # a device without a staging backend
+            tensor = tensor.to(self.device)
+        self.emit(t.name, tensor)
+
+    def commit(self) -> None:
+        self._coverage.check_complete(self.header.path)
+
+    def abort(self) -> None:
+        self._coverage.abort()
+
+
+class DeviceTensorSink:
+    """Sends each landed range to device memory through pinned staging (see
+    :mod:`loaderplug.staging`); emits a tensor once its copies have completed.
+
+    Host memory stays bounded by the staging pool: the file is never assembled on the
+    host. Each tensor gets device memory of its own when the file is prepared.
+    """
+
+    def __init__(self, header: Header, pool: StagingPool, emit: Emit) -> None:
+        self.header = header
+        self.pool = pool
+        self.emit = emit
+        self._dtypes = torch_dtypes(header)
+        self._coverage = _Coverage(header)
+        self._device: dict[str, torch.Tensor] = {}
+        self._lock = threading.Lock()
+        self._aborted = False
+
+    def prepare(self) -> None:
+        for t in self._coverage.tensors:
+            self._device[t.name] = self.pool.backend.empty(t.nbytes)
+        for t in self.header.tensors:
+            if not t.nbytes:
+                self._deliver(t, self.pool.backend.empty(0))
+
+    def write(self, data: memoryview, offset: int) -> None:
+        step = self.pool.size
+        for start in range(0, len(data), step):
+            self._stage(data[start : start + step], offset + start)
+
+    def _stage(self, data: memoryview, offset: int) -> None:
+        end = offset + len(data)
+        buffer = self.pool.take()
+        try:
+            as_bytes(buffer)[: len(data)] = data
+            with self._lock:  # abort() may be dropping the device memory
+                if self._aborted:
+                    return
+                for t, begin, stop in self._coverage.pieces(offset, end):
+                    self.pool.backend.copy_async(
+                        self._device[t.name][begin - t.begin : stop - t.begin],
+                        buffer[begin - offset : stop - offset],
+                    )
+        finally:
+            self.pool.give(buffer, self.pool.backend.record())
+        done = self._coverage.landed(offset, end)
+        if not done:
+            return
+        # Other writers may have queued pieces of these tensors after this writer's
+        # event; an event recorded now follows every copy queued before they reported
+        # their pieces landed (one stream runs copies in order).
+        self.pool.backend.record().synchronize()
+        with self._lock:
+            finished = [(t, self._device.pop(t.name, None)) for t in done]
+        for t, raw in finished:
+            if raw is not None:
+                self._deliver(t, raw)
+
+    def _deliver(self, t: TensorInfo, raw: torch.Tensor) -> None:
+        self.emit(t.name, raw.view(self._dtypes[t.name]).reshape(t.shape))
+
+    def commit(self) -> None:
+        self._coverage.check_complete(self.header.path)
+
+    def abort(self) -> None:
+        self._coverage.abort()
+        with self._lock:
+            self._aborted = True
+            # Copies already queued finish before their device memory can be reused.
+            self.pool.backend.record().synchronize()
+            self._device.clear()
+
+
+def mapped_tensors(header: Header) -> Iterator[tuple[str, torch.Tensor]]:
+    """Tensors over a private (copy-on-write) mapping of the file, as safetensors does:
+    they share the page cache's pages until written to, and own their mapping."""
+    torch = torch_module()
+    with open(header.path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        mapping = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY) if size else None
+    for t in header.tensors:
+        dtype = torch_dtype(header.path, t.name, t.dtype)
+        if not t.nbytes or mapping is None:
+            yield t.name, torch.empty(t.shape, dtype=dtype)
+            continue
+        raw = torch.frombuffer(mapping, dtype=torch.uint8, count=t.nbytes, offset=t.begin)
+        yield t.name, raw.view(dtype).reshape(t.shape)

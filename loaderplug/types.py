@@ -1,0 +1,97 @@
+"""The hook vocabulary: the values plugins receive and return.
+
+Everything here is plain data (or a protocol), below every other module of the package,
+so a plugin, the engine and the integrations can all speak it without importing one
+another.
+
+Words used throughout:
+
+* a **job** is one whole transfer (a hydrate, a sync, a load, a one pass);
+* a **file** of a job is copied or read as **spans** (a range of one file, the unit a
+  reader takes), each read in **steps** of at most a few MiB;
+* a span has **landed** once every sink of its file stored it.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Literal, Protocol
+
+
+@dataclass(frozen=True)
+class MirrorRequest:
+    """What a caller wants from the mirror: ``kind`` is ``hub`` (a Hub repo, kept in the
+    Hub's cache layout under ``<volume>/hub``) or ``folder`` (``<volume>/models/<name>``)."""
+
+    kind: str
+    name: str
+    revision: str | None = None
+
+    @property
+    def subpath(self) -> str:
+        return "hub" if self.kind == "hub" else f"models/{self.name}"
+
+
+@dataclass(frozen=True)
+class IOPolicy:
+    """How to read one path: with O_DIRECT or through the page cache, and why."""
+
+    direct: bool
+    alignment: int
+    fs_type: str
+    reason: str
+
+    @staticmethod
+    def buffered(fs_type: str, reason: str) -> IOPolicy:
+        return IOPolicy(direct=False, alignment=1, fs_type=fs_type, reason=reason)
+
+
+@dataclass(frozen=True)
+class Identity:
+    """What must stay the same while a file is copied: size, mtime and inode."""
+
+    size: int
+    mtime_ns: int
+    inode: int
+
+    @staticmethod
+    def of(st: os.stat_result) -> Identity:
+        return Identity(st.st_size, st.st_mtime_ns, st.st_ino)
+
+    def describe(self) -> str:
+        return f"size {self.size}, mtime_ns {self.mtime_ns}, inode {self.inode}"
+
+
+class Source(Protocol):
+    """An open file to read from: what ``loaderplug_open_source`` returns."""
+
+    @property
+    def size(self) -> int: ...
+
+    def identity(self) -> Identity:
+        """The file's identity now (a fresh stat of the open file)."""
+        ...
+
+    def pread_into(self, buf: memoryview, offset: int) -> int:
+        """Read up to ``len(buf)`` bytes at ``offset``; fewer only at end of file."""
+        ...
+
+    def close(self) -> None: ...
+
+
+# restored: copied and published; loaded: read (into tensors) without being copied;
+# skipped: the destination already held it; linked: a symlink placed; failed: see reason.
+Status = Literal["restored", "loaded", "skipped", "linked", "failed"]
+
+
+@dataclass(frozen=True)
+class FileResult:
+    """The outcome for one path (relative to the job's source root)."""
+
+    path: str
+    status: Status
+    size: int = 0
+    reason: str = ""
+    errno: int | None = None
+    range: tuple[int, int] | None = None
