@@ -132,6 +132,7 @@ def _load(args: argparse.Namespace) -> int:
         "first_tensor_s": round(stats["first_tensor_s"] or 0.0, 3),
         "io": {str(p): stats["io"][str(p)] for p in paths},
         "hydrated_to": args.dst,
+        "report": report.to_dict(),
     }
     if args.json:
         print(json.dumps(figures, indent=2))

@@ -123,7 +123,7 @@ class Runner:
     def _prepare(self, listing: Listing) -> _Prepared:
         prepared = _Prepared(results=self._make_dirs(listing.dirs))
         for entry in listing.files:
-            copy_to = entry.copy_to
+            requested, copy_to, note = str(entry.source), entry.copy_to, ""
             if copy_to is not None and is_current_copy(copy_to, entry.identity):
                 if self.plan.tensors is None:
                     prepared.results.append(FileResult(entry.rel, "skipped", entry.identity.size))
@@ -131,10 +131,15 @@ class Runner:
                 # Read the current local copy instead of the source: nothing to publish.
                 local = Identity.of(os.stat(copy_to))
                 entry = replace(entry, source=copy_to, identity=local, copy_to=None)
-            self._prepare_entry(entry, prepared)
+                note = f", from the current local copy {copy_to}"
+            self._prepare_entry(entry, prepared, requested, note)
         return prepared
 
-    def _prepare_entry(self, entry: FileEntry, prepared: _Prepared) -> None:
+    def _prepare_entry(
+        self, entry: FileEntry, prepared: _Prepared, requested: str, note: str
+    ) -> None:
+        """The file's sinks and how it is read; ``io_modes`` says so under the path the
+        job was asked to read (``requested``), with ``note`` when another is read."""
         plan, settings = self.plan, self.settings
         policy = self._policy(entry.source)
         sinks: list[Sink] = []
@@ -144,17 +149,17 @@ class Runner:
             sinks.append(
                 file_sink(entry.copy_to, entry.identity, target, fsync=settings.fsync, verify=check)
             )
-        mode = f"{'direct' if policy.direct else 'buffered'} ({policy.reason})"
+        mode = f"{'direct' if policy.direct else 'buffered'} ({policy.reason}){note}"
         if plan.tensors is not None:
             header, retries = self._read_header(entry, policy)
             prepared.header_retries += retries
             if entry.copy_to is None and plan.tensors.maps(policy):
-                self.io_modes[str(entry.source)] = f"mapped ({policy.reason})"
+                self.io_modes[requested] = f"mapped ({policy.reason}){note}"
                 prepared.mapped.append((entry.rel, header))
                 return
             rel = entry.rel
             sinks.append(plan.tensors.sink(header, lambda name, t: self._ready.put((rel, name, t))))
-        self.io_modes[str(entry.source)] = mode
+        self.io_modes[requested] = mode
         outcome: Status = "restored" if entry.copy_to is not None else "loaded"
         prepared.tasks.append(
             FileTask(entry.rel, str(entry.source), entry.identity, sinks, policy, outcome=outcome)

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from loaderplug.hookspecs import hookimpl
 from loaderplug import plugins
+from loaderplug.hookspecs import hookimpl
 from loaderplug.source import PosixSource
 from loaderplug.testing.model import write_model
 from loaderplug.tree import is_own_name

@@ -75,7 +75,8 @@ def test_enomem_storm_under_load_is_retried_and_bytes_are_identical(
 def test_auto_workers_back_off_below_the_in_flight_count_that_draws_enomem(
     tmp_path: Path,
 ) -> None:
-    # Auto starts at eight readers; the volume refuses more than three reads at once.
+    # Auto starts at AUTO_START_WORKERS (16) readers; the volume refuses more than three
+    # reads at once.
     backing = tmp_path / "big"
     write_model(backing, 96 * MiB, shards=2)
     profile = VolumeProfile(

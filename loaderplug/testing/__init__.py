@@ -1,1 +1,10 @@
-"""Test helpers for loaderplug (FUSE-backed slow, faulty test volumes)."""
+"""Test helpers for loaderplug (FUSE-backed slow, faulty test volumes).
+
+* `loaderplug.testing.volume`: the parent side, `mounted` and `TestVolume` (start here);
+* `loaderplug.testing.faults`: the `VolumeProfile` and its fault model;
+* `loaderplug.testing.fuse_server`: the FUSE server, run as its own process;
+* `loaderplug.testing.model`: synthetic model files.
+
+Nothing is imported here: ``python -m loaderplug.testing.fuse_server`` runs this
+package's ``__init__`` first, and the server should load no more than it needs.
+"""

@@ -11,7 +11,7 @@ import os
 import struct
 from pathlib import Path
 
-_MIB = 1 << 20
+from loaderplug.units import MiB
 
 
 def _write_shard(path: Path, tensor_bytes: list[int], first_tensor: int, seed: int) -> list[str]:
@@ -33,7 +33,7 @@ def _write_shard(path: Path, tensor_bytes: list[int], first_tensor: int, seed: i
         f.write(encoded)
         remaining, block = offset, 0
         while remaining:
-            n = min(remaining, 8 * _MIB)
+            n = min(remaining, 8 * MiB)
             # randbytes is quick and different per block; seeded for reproducibility.
             f.write(_random_bytes(seed * 1_000_003 + block, n))
             remaining -= n

@@ -1,0 +1,141 @@
+"""The package's modules import one another without a cycle.
+
+Every import counts: at the top of a module, inside a function, or under
+``TYPE_CHECKING``. A cycle that only a lazy import keeps from failing at start-up still
+means two modules that cannot be understood, tested or changed apart.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+# Where each package's modules live (integrations/ installs as loaderplug.integrations).
+ROOTS = {"loaderplug": REPO / "loaderplug", "loaderplug.integrations": REPO / "integrations"}
+
+
+def package_modules() -> dict[str, Path]:
+    modules: dict[str, Path] = {}
+    for package, folder in ROOTS.items():
+        for path in folder.rglob("*.py"):
+            parts = list(path.relative_to(folder).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            modules[".".join([package, *parts])] = path
+    return modules
+
+
+def imports_of(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
+    """The package modules that ``name`` imports, explicitly (a package's ``__init__``
+    is only counted when it is itself what is imported from)."""
+    is_package = path.name == "__init__.py"
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = name.split(".") if is_package else name.split(".")[:-1]
+                anchor = anchor[: len(anchor) - (node.level - 1)]
+                base = ".".join([*anchor, base] if base else anchor)
+            # ``from pkg import mod`` imports the submodule; ``from pkg import name``
+            # imports the package itself.
+            targets = [
+                f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base
+                for alias in node.names
+            ]
+        else:
+            continue
+        found.update(t for t in targets if t in modules and t != name)
+    return found
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Every strongly connected group of more than one module (Tarjan), each given as
+    one cycle through it."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    groups: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                group.append(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                groups.append(a_cycle(sorted(group), graph))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return groups
+
+
+def a_cycle(group: list[str], graph: dict[str, set[str]]) -> list[str]:
+    """A path from the group's first module back to itself, inside the group."""
+    start, members = group[0], set(group)
+    paths = [[start]]
+    seen = {start}
+    while paths:
+        path = paths.pop(0)
+        for nxt in sorted(graph[path[-1]] & members):
+            if nxt == start:
+                return [*path, start]
+            if nxt not in seen:
+                seen.add(nxt)
+                paths.append([*path, nxt])
+    raise AssertionError("a strongly connected group always holds a cycle")
+
+
+def test_the_package_has_no_import_cycle() -> None:
+    modules = package_modules()
+    graph = {name: imports_of(name, path, modules) for name, path in modules.items()}
+    found = cycles(graph)
+    assert not found, "import cycles:\n" + "\n".join(" -> ".join(c) for c in found)
+
+
+def test_the_cycle_finder_names_a_cycle() -> None:
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert cycles(graph) == [["a", "b", "c", "a"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_relative_and_lazy_imports_are_seen(tmp_path: Path) -> None:
+    module = tmp_path / "volcache.py"
+    module.write_text(
+        "from typing import TYPE_CHECKING\n"
+        "from . import hub_mirror\n"
+        "if TYPE_CHECKING:\n"
+        "    from loaderplug.report import TransferReport\n"
+        "def f():\n"
+        "    from loaderplug import plugins\n"
+    )
+    modules = {
+        "loaderplug.integrations.volcache": module,
+        "loaderplug.integrations.hub_mirror": module,
+        "loaderplug.report": module,
+        "loaderplug.plugins": module,
+        "loaderplug": module,
+    }
+    assert imports_of("loaderplug.integrations.volcache", module, modules) == {
+        "loaderplug.integrations.hub_mirror",
+        "loaderplug.report",
+        "loaderplug.plugins",
+    }
