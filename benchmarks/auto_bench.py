@@ -39,7 +39,7 @@ from common import drop_cache, write_results
 
 from loaderplug.testing.model import write_model
 from loaderplug.testing.volume import Fault, VolumeProfile, fuse_unavailable_reason, mounted
-from loaderplug.units import MiB, format_size
+from loaderplug.units import GiB, MiB, format_size
 
 HERE = Path(__file__).resolve().parent
 ENOMEM_OVER = 6
@@ -192,7 +192,7 @@ def main() -> None:
         reason = "GNU time is missing (apt-get install time)"
     if reason:
         raise SystemExit(f"this benchmark needs the FUSE test volume: {reason}")
-    size = 256 * MiB if args.quick else 1 << 30
+    size = 256 * MiB if args.quick else GiB
     rounds = 1 if args.quick else args.rounds
     sweep = QUICK_SWEEP if args.quick else SWEEP
     shm = Path("/dev/shm")

@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import drop_cache, run_child, write_results
 from hydrate_bench import PROFILE, ram_dir
 
-from loaderplug.units import MiB
+from loaderplug.units import GiB, MiB
 
 HERE = Path(__file__).resolve().parent
 CONTENDERS = ("loaderplug + fastsafetensors", "fastsafetensors")
@@ -76,7 +76,7 @@ def main() -> None:
     from loaderplug.testing.model import write_model
     from loaderplug.testing.volume import mounted
 
-    size = 256 * MiB if args.quick else 1 << 30
+    size = 256 * MiB if args.quick else GiB
     rounds = 1 if args.quick else args.rounds
     results: dict[tuple[str, str], list[dict[str, float]]] = {}
     with (

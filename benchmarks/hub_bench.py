@@ -40,7 +40,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from loaderplug.units import MiB
+from loaderplug.units import GiB, MiB
 
 # Only the standard library at the top: a child's peak RSS is the contender's own.
 HERE = Path(__file__).resolve().parent
@@ -140,7 +140,7 @@ def bench(args: argparse.Namespace) -> None:
         reason = "huggingface_hub is missing (pip install -e '.[hf]')"
     if reason:
         raise SystemExit(f"this benchmark needs the FUSE test volume and the Hub client: {reason}")
-    size = 256 * MiB if args.quick else 1 << 30
+    size = 256 * MiB if args.quick else GiB
     rounds = 1 if args.quick else args.rounds
     # The children get exactly the settings below, none inherited from this shell.
     for name in list(os.environ):

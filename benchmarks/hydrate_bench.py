@@ -37,7 +37,7 @@ from common import run_parallel, run_timed
 
 from loaderplug.testing.model import write_model
 from loaderplug.testing.volume import VolumeProfile, fuse_unavailable_reason, mounted
-from loaderplug.units import MiB, format_size
+from loaderplug.units import GiB, MiB, format_size
 
 HERE = Path(__file__).resolve().parent
 PROFILE = VolumeProfile(
@@ -254,7 +254,7 @@ def main() -> None:
         reason = "the runpod package is missing (pip install -e '.[bench]')"
     if reason:
         raise SystemExit(f"this benchmark needs the FUSE test volume: {reason}")
-    size = 256 * MiB if args.quick else 1 << 30
+    size = 256 * MiB if args.quick else GiB
     rounds = 1 if args.quick else args.rounds
     with (
         tempfile.TemporaryDirectory(prefix="loaderplug-bench-", dir="/var/tmp") as tmp,

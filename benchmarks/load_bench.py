@@ -28,7 +28,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import drop_cache, run_child, run_parallel, write_results
 
-from loaderplug.units import MiB
+from loaderplug.units import GiB, MiB
 
 HERE = Path(__file__).resolve().parent
 CONTENDERS = ("loaderplug", "safetensors mmap", "safetensors pread", "fastsafetensors", "probe")
@@ -122,7 +122,7 @@ def main() -> None:
     from loaderplug.pagecache import cached_fraction
     from loaderplug.testing.model import write_model
 
-    size = 256 * MiB if args.quick else 1 << 30
+    size = 256 * MiB if args.quick else GiB
     rounds = 1 if args.quick else args.rounds
     results: dict[tuple[str, str], list[dict[str, float]]] = {}
     resident_after_direct: list[float] = []

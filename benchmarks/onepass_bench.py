@@ -31,7 +31,7 @@ from hydrate_bench import PROFILE, ram_dir
 
 from loaderplug.testing.model import write_model
 from loaderplug.testing.volume import mounted
-from loaderplug.units import MiB
+from loaderplug.units import GiB, MiB
 
 HERE = Path(__file__).resolve().parent
 
@@ -85,7 +85,7 @@ def main() -> None:
         return
     from runpod.serverless.utils.rp_volume_cache import VolumeCache
 
-    size = 256 * MiB if args.quick else 1 << 30
+    size = 256 * MiB if args.quick else GiB
     rounds = 1 if args.quick else args.rounds
     names = ["runpod + safetensors", "loaderplug hydrate", "loaderplug one pass"]
     results: dict[str, list[dict[str, float]]] = {n: [] for n in names}

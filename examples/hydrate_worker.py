@@ -13,12 +13,12 @@ import sys
 from pathlib import Path
 
 import loaderplug
-from loaderplug.plugins import plugin_manager
+from loaderplug.plugins import Plugins
 
 
 def main(name: str, local_root: str) -> Path:
     request = loaderplug.MirrorRequest("folder", name)
-    mirror = plugin_manager().hook.loaderplug_find_mirror(request=request)
+    mirror = Plugins(loaderplug.from_env()).find_mirror(request)
     if mirror is None:
         raise SystemExit(f"{name} is not on the mirror; set LOADERPLUG_VOLUME or sync it first")
     local = Path(local_root) / name

@@ -45,14 +45,15 @@ from loaderplug.retry import Cancelled, RetryPolicy, retrying
 from loaderplug.sinks import PlacingSink, Sink
 from loaderplug.source import aligned_buffer
 from loaderplug.types import FileResult, Identity, IOPolicy, Source, Status
+from loaderplug.units import KiB, MiB
 
 # Ranges are read in steps of this size (a multiple of every O_DIRECT alignment): reads
 # straight into a sink's memory hand each step on, so tensors complete as their own bytes
 # land, mid-range, and the adaptive limit sees throughput and latency step by step.
-READ_STEP = 4 * 1024 * 1024
+READ_STEP = 4 * MiB
 # Buffers have this much room past a chunk, so a read padded up to the O_DIRECT alignment
 # (at most 64 KiB, see fs.direct_io_alignment) still fits.
-READ_PADDING = 64 * 1024
+READ_PADDING = 64 * KiB
 # Sources a reader keeps open at once: offset-major order moves a reader from file to
 # file, and each comes round again a few spans later.
 OPEN_SOURCES_PER_READER = 8

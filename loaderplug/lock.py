@@ -10,8 +10,6 @@ from __future__ import annotations
 import fcntl
 import os
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 from loaderplug.errors import LockError
@@ -64,13 +62,3 @@ class FolderLock:
             os.close(self._fd)  # closing releases the flock
             self._fd = -1
 
-
-@contextmanager
-def locked(folder: Path, timeout_s: float) -> Iterator[float]:
-    """Hold an exclusive lock on ``folder``; yields the seconds spent waiting for it."""
-    lock = FolderLock(folder, timeout_s)
-    waited = lock.acquire()
-    try:
-        yield waited
-    finally:
-        lock.release()

@@ -141,7 +141,7 @@ class Runner:
         """The file's sinks and how it is read; ``io_modes`` says so under the path the
         job was asked to read (``requested``), with ``note`` when another is read."""
         plan, settings = self.plan, self.settings
-        policy = self._policy(entry.source)
+        policy = self._policy(entry.source, per_file=plan.tensors is not None)
         sinks: list[Sink] = []
         if entry.copy_to is not None:
             check = functools.partial(plan.verify, entry.rel) if plan.verify else None
@@ -165,10 +165,11 @@ class Runner:
             FileTask(entry.rel, str(entry.source), entry.identity, sinks, policy, outcome=outcome)
         )
 
-    def _policy(self, path: Path) -> IOPolicy:
-        """One IO-policy decision per folder, not per file. A destination folder may not
-        exist yet: its policy is decided from the nearest existing parent."""
-        key = str(path.parent)
+    def _policy(self, path: Path, *, per_file: bool = False) -> IOPolicy:
+        """One IO-policy decision per folder (a destination folder may not exist yet: its
+        policy is decided from the nearest existing parent), or with ``per_file`` per
+        file: whether a file to load is in the page cache is its own."""
+        key = str(path if per_file else path.parent)
         if key not in self._policies:
             self._policies[key] = self.plugins.io_policy(path)
         return self._policies[key]

@@ -25,12 +25,14 @@ import collections
 import threading
 from typing import TYPE_CHECKING, Any, Protocol
 
+from loaderplug.units import MiB
+
 if TYPE_CHECKING:
     import torch
 
 # Pinned buffers this size reach full host-to-device bandwidth on current GPUs, and are
 # small enough that the pool's budget (bytes in flight) holds many of them.
-STAGING_BUFFER_BYTES = 16 * 1024 * 1024
+STAGING_BUFFER_BYTES = 16 * MiB
 
 
 class CopyEvent(Protocol):

@@ -21,8 +21,7 @@ from loaderplug.testing.volume import (
     fuse_unavailable_reason,
     mounted,
 )
-
-MiB = 1024 * 1024
+from loaderplug.units import MiB
 
 needs_fuse = pytest.mark.skipif(
     fuse_unavailable_reason() is not None,

@@ -11,9 +11,9 @@ import os
 import sys
 import time
 
+from loaderplug import plugins
 from loaderplug.cli import main
 from loaderplug.hookspecs import hookimpl
-from loaderplug.plugins import plugin_manager
 from loaderplug.source import PosixSource
 from loaderplug.types import IOPolicy
 
@@ -35,5 +35,5 @@ class SlowPlugin:
 
 DELAY_S = float(sys.argv[1])
 READ_LOG = os.environ.get("SLOW_HYDRATE_READ_LOG", "")
-plugin_manager().register(SlowPlugin())
+plugins.register(SlowPlugin())
 sys.exit(main(sys.argv[2:]))
