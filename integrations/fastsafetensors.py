@@ -25,6 +25,10 @@ vLLM's ``--load-format fastsafetensors`` hydrates before it loads once loaderplu
 plugin has run with a mirror configured: :func:`hydrate_before_vllm_load` wraps vLLM's
 ``fastsafetensors_weights_iterator``, the one name in vLLM that takes the file list (no
 seam exists there, so the name is rebound in the two modules that hold it).
+
+The names these reach that are not fastsafetensors' or vLLM's public API (the copier
+registry, a copier's descriptor, vLLM's iterator) are declared, with the versions they
+were checked in, in :mod:`loaderplug.integrations.upstream`.
 """
 
 from __future__ import annotations
@@ -43,27 +47,28 @@ from loaderplug.plugins import Plugins
 from loaderplug.settings import Settings, from_env
 from loaderplug.types import IOPolicy
 
+from .upstream import fastsafetensors as seam
+
 try:
+    # Public API; the private names (the copier registry, a copier's descriptor) are
+    # reached through loaderplug.integrations.upstream.fastsafetensors.
     import fastsafetensors
     from fastsafetensors import loader as fst_loader
     from fastsafetensors import parallel_loader
-    from fastsafetensors.copier import nogds, registry
 except ImportError as exc:
     raise ImportError(
         "loaderplug.integrations.fastsafetensors needs fastsafetensors: "
         "pip install 'loaderplug[fastsafetensors]'"
     ) from exc
 
-OLDEST = (0, 5)
 log = logging.getLogger(__name__)
 
 
 def _check_version(version: str) -> None:
-    found = tuple(int(p) for p in version.split(".")[:2] if p.isdigit())
-    if found < OLDEST:
+    if seam.UPSTREAM.too_old(version):
         raise LoaderplugError(
             f"fastsafetensors {version} is too old: loaderplug needs "
-            f"{'.'.join(map(str, OLDEST))} or newer (pip install -U fastsafetensors)"
+            f"{seam.UPSTREAM.oldest_text} or newer (pip install -U fastsafetensors)"
         )
 
 
@@ -143,8 +148,9 @@ def install(settings: Settings | None = None) -> None:
         _policy_settings = settings
     if _original_nogds is not None:
         return
-    original = registry._copier_registry["nogds"]  # the registry has no getter
-    registry.register_copier_constructor("nogds", nogds.NoGdsFileCopier)(_policy_factory(original))
+    original = seam.nogds_factory()
+    register = seam.register_copier_constructor()
+    register(seam.NOGDS, seam.nogds_file_copier())(_policy_factory(original))
     _original_nogds = original
 
 
@@ -153,7 +159,7 @@ def uninstall() -> None:
     _policy_settings = None
     if _original_nogds is None:
         return
-    registry._copier_registry["nogds"] = _original_nogds
+    seam.copier_registry()[seam.NOGDS] = _original_nogds
     _original_nogds = None
 
 
@@ -165,9 +171,10 @@ def _policy_factory(original: Callable[..., Any]) -> Callable[..., Any]:
         def construct_with_policy(metadata: Any, device: Any, framework: Any) -> Any:
             copier = construct(metadata, device, framework)
             try:
-                _apply_policy(copier, metadata.src)
+                _apply_policy(copier, seam.metadata_src(metadata))
             except BaseException:
-                os.close(copier.fd)  # the copier is never handed out: nothing else closes it
+                # The copier is never handed out: nothing else closes its descriptor.
+                os.close(seam.copier_fd(copier))
                 raise
             return copier
 
@@ -179,14 +186,14 @@ def _policy_factory(original: Callable[..., Any]) -> Callable[..., Any]:
 def _apply_policy(copier: Any, path: str) -> IOPolicy:
     """Reopen the copier's descriptor direct or buffered, as loaderplug decides."""
     policy = Plugins(_policy_settings or from_env()).io_policy(path)
-    if _is_direct(copier.fd) != policy.direct:
+    if _is_direct(seam.copier_fd(copier)) != policy.direct:
         fd = _open(path, policy.direct)
-        os.close(copier.fd)
-        copier.fd = fd
+        os.close(seam.copier_fd(copier))
+        seam.set_copier_fd(copier, fd)
     log.debug(
         "fastsafetensors reads %s %s (%s)",
         path,
-        "direct" if _is_direct(copier.fd) else "buffered",
+        "direct" if _is_direct(seam.copier_fd(copier)) else "buffered",
         policy.reason,
     )
     return policy
@@ -211,9 +218,9 @@ def _open(path: str, direct: bool) -> int:
 
 def hydrate_before_vllm_load() -> None:
     """Rebind vLLM's ``fastsafetensors_weights_iterator`` to hydrate its files first."""
-    from vllm.model_executor.model_loader import default_loader, weight_utils
+    from .upstream import vllm as vllm_seam
 
-    current = getattr(weight_utils, "fastsafetensors_weights_iterator", None)
+    current = vllm_seam.fastsafetensors_weights_iterator()
     if current is None:
         log.warning("loaderplug: this vLLM has no fastsafetensors_weights_iterator to wrap")
         return
@@ -222,12 +229,10 @@ def hydrate_before_vllm_load() -> None:
 
     @functools.wraps(current)
     def hydrating(hf_weights_files: list[str], *args: Any, **kwargs: Any) -> Iterator[Any]:
-        return current(local_files(hf_weights_files), *args, **kwargs)  # type: ignore[no-any-return]
+        return current(local_files(hf_weights_files), *args, **kwargs)
 
     hydrating.loaderplug_hydrates = True  # type: ignore[attr-defined]
-    for module in (weight_utils, default_loader):
-        if getattr(module, "fastsafetensors_weights_iterator", None) is current:
-            setattr(module, "fastsafetensors_weights_iterator", hydrating)  # noqa: B010
+    vllm_seam.rebind_fastsafetensors_weights_iterator(current, hydrating)
 
 
 # -- volcache's reading backend ----------------------------------------------------------

@@ -34,9 +34,11 @@ from loaderplug.settings import Settings
 from loaderplug.transfers import select
 from loaderplug.tree import path_problem
 
+# The formats huggingface_hub writes (pure data: this module never imports huggingface_hub).
+from .upstream.huggingface_hub import LISTING_FORMAT, LOCAL_DIR_META
+
 COMMIT = re.compile(r"^[0-9a-f]{40}$")
 SHA256 = re.compile(r"^[0-9a-f]{64}$")
-LISTING_FORMAT = 1  # huggingface_hub's trees/<commit>.json format_version
 HASH_BLOCK = 8 * 1024 * 1024
 log = logging.getLogger(__name__)
 
@@ -169,7 +171,7 @@ def hydrate_local_dir(
     listing where huggingface_hub keeps it for a ``local_dir`` download."""
     files = {f.path: f"blobs/{f.blob}" for f in selection.usable}
     rel = listing_rel(selection.commit)
-    files[f".cache/huggingface/{rel}"] = rel
+    files[f"{LOCAL_DIR_META}/{rel}"] = rel
     by_path = {f.path: f.blob for f in selection.usable}
 
     def verify(dst_rel: str, temp: Path) -> None:
@@ -185,7 +187,7 @@ def hydrate_local_dir(
         {},
         settings,
         verify=verify,
-        lock_in=".cache/huggingface",
+        lock_in=LOCAL_DIR_META,
     )
 
 
@@ -215,7 +217,7 @@ def sync_snapshot(
     keeps) to the mirror folder, then the ref last. ``local`` is the repo's cache
     folder, or with ``local_dir`` the folder a ``local_dir`` download filled with plain
     files."""
-    meta = ".cache/huggingface/" if local_dir else ""
+    meta = f"{LOCAL_DIR_META}/" if local_dir else ""
     listing = read_listing(local / meta, commit)
     if listing is None:
         raise MirrorError(

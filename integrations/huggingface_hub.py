@@ -36,30 +36,32 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-try:
-    import huggingface_hub
-    from huggingface_hub import _snapshot_download, constants
-    from huggingface_hub.file_download import repo_folder_name
-
-    # Public (documented) API, though ``utils`` does not re-export it for type checkers.
-    from huggingface_hub.utils import filter_repo_objects  # type: ignore[attr-defined]
-except ImportError as exc:  # pragma: no cover - the message is the point
-    raise ImportError(
-        "loaderplug.integrations.huggingface_hub needs huggingface_hub: "
-        "pip install 'loaderplug[hf]'"
-    ) from exc
-
 from loaderplug.errors import TransferFailed
 from loaderplug.plugins import Plugins
 from loaderplug.settings import Settings, from_env
 from loaderplug.types import MirrorRequest
 
 from . import hub_mirror
+from .upstream import huggingface_hub as seam
+
+try:
+    import huggingface_hub
+    from huggingface_hub import constants
+
+    # Public (documented) API, though ``utils`` does not re-export it for type checkers.
+    from huggingface_hub.utils import filter_repo_objects  # type: ignore[attr-defined]
+
+    # Not public: see loaderplug.integrations.upstream.huggingface_hub.
+    repo_folder_name = seam.repo_folder_name()
+    # The function this module wraps, as huggingface_hub defines it.
+    original_snapshot_download: Callable[..., Any] = seam.snapshot_download()
+except ImportError as exc:  # pragma: no cover - the message is the point
+    raise ImportError(
+        "loaderplug.integrations.huggingface_hub needs huggingface_hub: "
+        "pip install 'loaderplug[hf]'"
+    ) from exc
 
 log = logging.getLogger(__name__)
-
-# The function this module wraps, as huggingface_hub defines it.
-original_snapshot_download: Callable[..., Any] = _snapshot_download.snapshot_download
 _SIGNATURE = inspect.signature(original_snapshot_download)
 _installed: list[tuple[types.ModuleType, str]] = []
 
@@ -202,8 +204,7 @@ def _from_mirror(mirror: Path, options: dict[str, Any], settings: Settings) -> s
 def _record_local_dir_downloads(local_dir: Path, selection: hub_mirror.Selection) -> None:
     """Write the per-file metadata huggingface_hub keeps for a ``local_dir`` download, so
     it later finds these files current instead of downloading them again."""
-    from huggingface_hub._local_folder import write_download_metadata
-
+    write_download_metadata = seam.write_download_metadata()
     for f in selection.usable:
         write_download_metadata(local_dir, f.path, selection.commit, f.blob)
 
@@ -238,7 +239,7 @@ def _to_mirror(mirror: Path, options: dict[str, Any], settings: Settings) -> Non
 def _local_dir_commit(local_dir: Path) -> str | None:
     """The commit of the file a ``local_dir`` download recorded last: huggingface_hub
     writes ``download/<path>.metadata`` (commit, etag, time) for every file it places."""
-    download = local_dir / ".cache" / "huggingface" / "download"
+    download = local_dir / seam.LOCAL_DIR_DOWNLOADS
     records = sorted(download.rglob("*.metadata"), key=lambda p: p.stat().st_mtime)
     for record in reversed(records):
         commit = record.read_text().split("\n", 1)[0].strip()

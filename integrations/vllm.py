@@ -22,13 +22,15 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from loaderplug.errors import SettingsError
 from loaderplug.settings import Settings, from_env
 
+# Which vLLM versions, and which of its names: loaderplug.integrations.upstream.vllm.
+from .upstream import vllm as seam
+
 LOAD_FORMAT = "volcache"
-OLDEST_VLLM = (0, 8)
 # --model-loader-extra-config key -> loaderplug setting.
 EXTRA_CONFIG = {
     "mirror": "volume",
@@ -47,20 +49,16 @@ def register() -> None:
     global _registered
     if _registered:
         return
-    import vllm
-
-    version = _version_tuple(vllm.__version__)
-    if version < OLDEST_VLLM:
+    version = seam.version()
+    if seam.UPSTREAM.too_old(version):
         log.warning(
             "loaderplug: vLLM %s is older than %s; --load-format %s is not registered",
-            vllm.__version__,
-            ".".join(map(str, OLDEST_VLLM)),
+            version,
+            seam.UPSTREAM.oldest_text,
             LOAD_FORMAT,
         )
         return
-    from vllm.model_executor.model_loader import register_model_loader
-
-    register_model_loader(LOAD_FORMAT)(_loader_class())
+    seam.register_model_loader()(LOAD_FORMAT)(_loader_class())
     _route_logs_to_vllm()
     _install_mirror_hooks()
     _registered = True
@@ -87,22 +85,17 @@ def settings_from_extra_config(extra: Mapping[str, Any] | None) -> Settings:
     return settings
 
 
-def _version_tuple(version: str) -> tuple[int, ...]:
-    parts = []
-    for piece in version.split(".")[:2]:
-        digits = "".join(c for c in piece if c.isdigit())
-        parts.append(int(digits or 0))
-    return tuple(parts)
-
-
 def _loader_class() -> type:
     """The loader, defined on first use: its base class lives in vLLM."""
-    from torch import nn
-    from vllm.config import ModelConfig
-    from vllm.config.load import LoadConfig
-    from vllm.model_executor.model_loader.base_loader import BaseModelLoader
-
     from . import volcache
+
+    if TYPE_CHECKING:  # for the annotations below only
+        from torch import nn
+        from vllm.config import ModelConfig
+        from vllm.config.load import LoadConfig
+        from vllm.model_executor.model_loader.base_loader import BaseModelLoader
+    else:
+        BaseModelLoader = seam.base_model_loader()
 
     class VolcacheModelLoader(BaseModelLoader):
         """Weights hydrated from the volume mirror and streamed in one pass."""

@@ -24,6 +24,7 @@ and read local disk.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 from collections.abc import Iterator
@@ -39,11 +40,14 @@ from loaderplug.settings import Settings
 from loaderplug.types import MirrorRequest
 from loaderplug.units import MiB
 
+from .upstream import UpstreamChanged
+
 if TYPE_CHECKING:
     import torch
 
 INDEX_NAME = "model.safetensors.index.json"
 _REPO_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
+log = logging.getLogger(__name__)
 
 
 class WeightsError(LoaderplugError):
@@ -134,6 +138,9 @@ def _in_hf_cache(repo_id: str, revision: str | None) -> Path | None:
     try:
         from .huggingface_hub import original_snapshot_download
     except ImportError:
+        return None
+    except UpstreamChanged as exc:  # the installed huggingface_hub moved a name we use
+        log.warning("loaderplug: not looking in the local Hugging Face cache: %s", exc)
         return None
     try:
         path = original_snapshot_download(

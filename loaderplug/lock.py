@@ -61,4 +61,3 @@ class FolderLock:
         if self._fd >= 0:
             os.close(self._fd)  # closing releases the flock
             self._fd = -1
-

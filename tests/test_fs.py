@@ -9,6 +9,7 @@ import pytest
 
 from loaderplug import io_policy
 from loaderplug.fs import Mount, find_mount, is_buffered_type, read_mounts
+from tests.conftest import drop_from_page_cache
 
 
 def test_stacked_mounts_the_last_one_wins(tmp_path: Path) -> None:
@@ -84,6 +85,7 @@ def test_tmpfs_is_read_buffered_and_says_why() -> None:
 
 def test_local_alignment_comes_from_the_kernel(tmp_path: Path) -> None:
     (tmp_path / "f").write_bytes(b"x")
+    drop_from_page_cache(tmp_path / "f")  # a warm file is read buffered, with no alignment
     policy = io_policy(str(tmp_path / "f"))
     if not policy.direct:
         pytest.skip(
