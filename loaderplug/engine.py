@@ -40,7 +40,7 @@ from typing import Protocol
 
 from loaderplug.concurrency import ConcurrencyLimit, Slot
 from loaderplug.errors import HydrateError
-from loaderplug.ranges import Span, count_spans, offset_major
+from loaderplug.ranges import Order, Span, count_spans, offset_major
 from loaderplug.retry import Cancelled, RetryPolicy, retrying
 from loaderplug.sinks import PlacingSink, Sink
 from loaderplug.source import aligned_buffer
@@ -60,6 +60,9 @@ OPEN_SOURCES_PER_READER = 8
 log = logging.getLogger(__name__)
 
 Opener = Callable[[str, IOPolicy], Source]
+# Called as each span is handed out, in order, before it is read; may wait (a memory
+# budget), and raises Cancelled if the job is cancelled while it does.
+Gate = Callable[["FileTask", Span, threading.Event], None]
 
 
 class EngineObserver(Protocol):
@@ -270,6 +273,8 @@ class Engine:
         buffers: int,
         retry: RetryPolicy,
         observer: EngineObserver,
+        order: Order = offset_major,
+        gate: Gate | None = None,
         on_bytes: Callable[[int], None] | None = None,
         name: str = "job",
     ) -> None:
@@ -279,12 +284,16 @@ class Engine:
         self.split_threshold = split_threshold
         self.retry = retry
         self.observer = observer
+        self.order = order
+        self.gate = gate
         self.on_bytes = on_bytes
         self.name = name
         self._retries = 0
         self._bytes_copied = 0
         self._cancel = threading.Event()
         self._lock = threading.Lock()
+        # Spans are handed out one reader at a time, in order, gate included.
+        self._handout = threading.Lock()
         self._spans: Iterator[Span] = iter(())
         self._tasks: Sequence[FileTask] = ()
         self._writes: queue.SimpleQueue[_Write | None] = queue.SimpleQueue()
@@ -303,7 +312,7 @@ class Engine:
         for task in tasks:
             task.expect_spans(count_spans(task.size, self.chunk, self.split_threshold))
         self._tasks = tasks
-        self._spans = offset_major([t.size for t in tasks], self.chunk, self.split_threshold)
+        self._spans = self.order([t.size for t in tasks], self.chunk, self.split_threshold)
         count = self.limit.ceiling
         readers = [self._thread(self._reader, f"read-{i}") for i in range(count)]
         writers = [self._thread(self._writer, f"write-{i}") for i in range(count)]
@@ -360,11 +369,14 @@ class Engine:
                 t.join(0.1)
 
     def _next(self) -> tuple[FileTask, Span] | None:
-        with self._lock:
+        with self._handout:
             for span in self._spans:
                 task = self._tasks[span.file]
-                if not task.failed:
-                    return task, span
+                if task.failed:
+                    continue
+                if self.gate is not None:
+                    self.gate(task, span, self._cancel)
+                return task, span
             return None
 
     def _fail(self, task: FileTask, exc: BaseException, span: Span | None) -> None:

@@ -7,6 +7,7 @@ Every error loaderplug raises on purpose derives from :class:`LoaderplugError`::
     ├── FormatError        a safetensors file is malformed
     ├── HydrateError       one file could not be copied or read (carries path, range, errno)
     ├── TransferFailed     a job finished with failed files (carries the report)
+    ├── DistributedError   a rank of a shared load failed or stopped answering
     ├── MirrorError        a mirror or its manifest cannot be trusted
     ├── LockError          the cross-process lock could not be taken in time
     └── PluginError        a plugin could not be loaded or answered badly
@@ -64,6 +65,11 @@ class MirrorError(LoaderplugError):
 
 class LockError(LoaderplugError):
     """Another process held the destination's lock for too long."""
+
+
+class DistributedError(LoaderplugError):
+    """A rank of a load shared by a process group failed, or stopped answering; every
+    rank of the group raises it, naming the rank."""
 
 
 class PluginError(LoaderplugError):

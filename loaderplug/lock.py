@@ -1,8 +1,10 @@
-"""A cross-process lock on a destination folder.
+"""Cross-process locks on what a job publishes: a destination folder, or single files.
 
 Tensor-parallel ranks on one host all try to hydrate the same model at once. The first to
-take the lock copies; the others wait, then find every file present and skip it. flock
-is released by the kernel when a holder dies, so a killed hydrate never wedges the next.
+take the lock copies; the others wait, then find every file present and skip it. Ranks
+that split a load between them lock the files they each publish instead, so they copy
+side by side. flock is released by the kernel when a holder dies, so a killed job never
+wedges the next.
 """
 
 from __future__ import annotations
@@ -13,16 +15,26 @@ import time
 from pathlib import Path
 
 from loaderplug.errors import LockError
-from loaderplug.tree import LOCK_NAME
+from loaderplug.tree import LOCK_NAME, lock_name_for
 
 POLL_S = 0.05
 
 
-class FolderLock:
-    """An exclusive lock on ``folder`` (a ``.loaderplug.lock`` file in it)."""
+def folder_lock(folder: Path) -> Path:
+    """The lock file of a whole folder."""
+    return folder / LOCK_NAME
 
-    def __init__(self, folder: Path, timeout_s: float) -> None:
-        self.folder = folder
+
+def file_lock(path: Path) -> Path:
+    """The lock file of one file (beside it)."""
+    return path.with_name(lock_name_for(path.name))
+
+
+class Lock:
+    """An exclusive lock held on the lock file ``path``."""
+
+    def __init__(self, path: Path, timeout_s: float) -> None:
+        self.path = path
         self.timeout_s = timeout_s
         self._fd = -1
 
@@ -32,8 +44,8 @@ class FolderLock:
 
     def acquire(self) -> float:
         """Take the lock, polling so Ctrl-C stays responsive; returns the seconds waited."""
-        self.folder.mkdir(parents=True, exist_ok=True)
-        path = self.folder / LOCK_NAME
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        path = self.path
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         started = time.monotonic()
         try:

@@ -67,13 +67,18 @@ class TensorDelivery(Protocol):
 
     def mapped(self, header: Header) -> Iterator[tuple[str, Any]]: ...
 
+    def taken(self, tensor: Any) -> None:
+        """The consumer received ``tensor``, one a sink emitted (not a mapped one)."""
+        ...
+
 
 @dataclass(frozen=True)
 class Plan:
     """A job for the runner.
 
     ``destination`` is where folders and symlinks are made (None: the job writes no
-    tree). ``lock_dir`` is locked while the job publishes (None: nothing is published).
+    tree). ``locks`` are the lock files held while the job publishes, in order (none:
+    nothing is published; see :mod:`loaderplug.lock`).
     ``leftovers`` lists the temp files a killed run of this job may have left; they are
     removed once the lock is held. ``finish`` runs under the lock once every file is
     done (a sync writes its manifest there).
@@ -83,7 +88,7 @@ class Plan:
     source: str
     destination: Path | None
     list_files: Callable[[], Listing]
-    lock_dir: Path | None = None
+    locks: tuple[Path, ...] = ()
     leftovers: Callable[[], list[Path]] = lambda: []
     verify: Verify | None = None
     tensors: TensorDelivery | None = None

@@ -5,15 +5,18 @@ Sizing. Bytes in flight (readers x range size) is the knob that matters: a deriv
 is the budget split over the readers (at most 64 MiB), shrunk for small jobs so every
 reader gets several ranges; an explicit range size is never rescaled.
 
-Order. Offset-major (range 0 of every file, then range 1 of every file, ...) spreads the
-readers across files, so per-stream bandwidth caps on a network volume add up instead of
-queueing behind one file. The order is a generator: memory stays O(files), never one
-object per range.
+Order. A copy reads offset-major (range 0 of every file, then range 1 of every file,
+...): the readers spread across files, so per-stream bandwidth caps on a network volume
+add up instead of queueing behind one file. A load reads file-major (every range of
+file 0, then of file 1, ...): the readers still read side by side, each through a
+descriptor of its own, so the caps add up just as well, and what is in flight is one
+window of the model, which its memory budget bounds (:mod:`loaderplug.budget`). Orders
+are generators: memory stays O(files), never one object per range.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Literal, NamedTuple, Protocol
 
@@ -178,3 +181,19 @@ def offset_major(sizes: Sequence[int], chunk: int, split_threshold: int) -> Iter
                 still_active.append(index)
         active = still_active
         offset += chunk
+
+
+def file_major(sizes: Sequence[int], chunk: int, split_threshold: int) -> Iterator[Span]:
+    """Yield every span of every file, file after file, each file's in offset order."""
+    if chunk <= 0:
+        raise ValueError(f"chunk must be positive, got {chunk}")
+    for index, size in enumerate(sizes):
+        if not is_split(size, split_threshold):
+            yield Span(index, 0, size)
+            continue
+        for offset in range(0, size, chunk):
+            yield Span(index, offset, min(chunk, size - offset))
+
+
+# An order: the files' sizes, the range size and the split threshold -> every span.
+Order = Callable[[Sequence[int], int, int], Iterator[Span]]

@@ -17,84 +17,16 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator, Sequence
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from loaderplug.errors import HydrateError, TransferFailed
-from loaderplug.fs import is_network_type
-from loaderplug.header import Header
-from loaderplug.plan import Emit, FileEntry, Listing, Plan
+from loaderplug.errors import TransferFailed
+from loaderplug.loads import load_plan
+from loaderplug.ranks import share_for, shared_tensors
 from loaderplug.runner import Runner
 from loaderplug.settings import Settings, from_env
-from loaderplug.sinks import Sink, temps_of
-from loaderplug.staging import StagingPool, backend_for, pool_for
-from loaderplug.tensor_sinks import DeviceTensorSink, TensorSink, mapped_tensors
-from loaderplug.types import Identity, IOPolicy
 
 if TYPE_CHECKING:
     import torch
-
-
-class _Delivery:
-    """How a load hands tensors over (see :class:`loaderplug.plan.TensorDelivery`)."""
-
-    def __init__(self, device: str, bytes_in_flight: int, may_map: bool) -> None:
-        self.device = device
-        backend = backend_for(device)
-        self.pool: StagingPool | None = (
-            pool_for(backend, bytes_in_flight) if backend is not None else None
-        )
-        self.may_map = may_map and device == "cpu"
-
-    def sink(self, header: Header, emit: Emit) -> Sink:
-        if self.pool is not None:
-            return DeviceTensorSink(header, self.pool, emit)
-        return TensorSink(header, self.device, emit)
-
-    def maps(self, policy: IOPolicy) -> bool:
-        # Buffered on a local filesystem means the bytes are in memory already (tmpfs,
-        # or a file mostly in the page cache): mapping them beats copying them.
-        return self.may_map and not policy.direct and not is_network_type(policy.fs_type)
-
-    def mapped(self, header: Header) -> Iterator[tuple[str, Any]]:
-        return mapped_tensors(header)
-
-
-def load_plan(
-    paths: Sequence[str | os.PathLike[str]],
-    device: str,
-    settings: Settings,
-    local_dir: str | os.PathLike[str] | None = None,
-) -> Plan:
-    """The plan of a load: each file read in place, or with ``local_dir`` hydrated there
-    (same name) in the same pass, under that folder's lock."""
-    files = [Path(p) for p in paths]
-    local = Path(local_dir) if local_dir is not None else None
-
-    def list_files() -> Listing:
-        listing = Listing()
-        for path in files:
-            try:
-                identity = Identity.of(os.stat(path))
-            except OSError as exc:
-                raise HydrateError(
-                    f"{path}: cannot read it: {exc.strerror or exc}",
-                    path=str(path),
-                    errno=exc.errno,
-                ) from exc
-            copy_to = local / path.name if local is not None else None
-            listing.files.append(FileEntry(path.name, path, identity, copy_to))
-        return listing
-
-    return Plan(
-        job="load",
-        source=",".join(map(str, paths)),
-        destination=local,
-        list_files=list_files,
-        lock_dir=local,
-        leftovers=lambda: [t for f in files for t in temps_of(local / f.name)] if local else [],
-        tensors=_Delivery(device, settings.bytes_in_flight, may_map=True),
-    )
 
 
 def iter_tensors(
@@ -102,6 +34,7 @@ def iter_tensors(
     device: str = "cpu",
     *,
     local_dir: str | os.PathLike[str] | None = None,
+    group: Any = None,
     settings: Settings | None = None,
     stats: dict[str, Any] | None = None,
     **overrides: Any,
@@ -109,11 +42,20 @@ def iter_tensors(
     """Yield ``(name, tensor)`` from safetensors ``paths`` as each tensor completes.
 
     With ``local_dir``, each file is also hydrated there (same name) in the same pass,
-    with every guarantee of a hydrate. A file that fails raises :class:`TransferFailed`
-    naming it; a tensor is only ever yielded whole. ``stats``, if given, receives the
-    job's report, the time to first tensor and how each file was read.
+    with every guarantee of a hydrate. With a ``torch.distributed`` process ``group`` of
+    more than one rank on this host (or without one, the initialised default group;
+    ``LOADERPLUG_DISTRIBUTED=off`` reads alone), the ranks split the files, each byte
+    read once per host, and every rank yields every tensor (see :mod:`loaderplug.ranks`).
+    A file that fails raises :class:`TransferFailed` naming it (in a group, a
+    :class:`DistributedError` on every rank); a tensor is only ever yielded whole.
+    ``stats``, if given, receives the job's report, the time to first tensor and how
+    each file was read.
     """
     job_settings = (settings or from_env()).replace(**overrides)
+    share = share_for(group, job_settings)
+    if share is not None:
+        yield from shared_tensors(paths, device, local_dir, job_settings, share, stats)
+        return
     runner = Runner(load_plan(paths, device, job_settings, local_dir), job_settings)
     yield from runner.tensors()
     report = runner.report

@@ -35,14 +35,14 @@ from loaderplug.engine import Engine, EngineStats, FileTask
 from loaderplug.errors import FormatError, HydrateError
 from loaderplug.fs import is_network_type
 from loaderplug.header import LENGTH_BYTES, Header, header_length, parse_header
-from loaderplug.lock import FolderLock
+from loaderplug.lock import Lock
 from loaderplug.plan import FileEntry, Listing, Plan
 from loaderplug.plugins import Plugins
-from loaderplug.ranges import count_spans, default_sizing, size_job
+from loaderplug.ranges import Span, count_spans, default_sizing, file_major, offset_major, size_job
 from loaderplug.report import TransferReport
 from loaderplug.retry import RetryPolicy, retrying
 from loaderplug.settings import Settings
-from loaderplug.sinks import Sink, file_sink, is_current_copy, temp_name_for
+from loaderplug.sinks import BudgetedSink, Sink, file_sink, is_current_copy, temp_name_for
 from loaderplug.types import FileResult, Identity, IOPolicy, Source, Status
 
 
@@ -53,6 +53,26 @@ def run(plan: Plan, settings: Settings) -> TransferReport:
         raise AssertionError("a copy job handed over a tensor")
     assert runner.report is not None
     return runner.report
+
+
+@dataclass(frozen=True)
+class TensorReady:
+    """A tensor of the file ``rel``, whole, handed to the consumer."""
+
+    rel: str
+    name: str
+    tensor: Any
+
+
+@dataclass(frozen=True)
+class FileFinished:
+    """A file of a load was read to its end (every tensor of it handed over before), or
+    failed."""
+
+    result: FileResult
+
+
+Event = TensorReady | FileFinished
 
 
 @dataclass
@@ -80,21 +100,34 @@ class Runner:
         self.io_modes: dict[str, str] = {}  # source path -> how it was read, and why
         self._policies: dict[str, IOPolicy] = {}
         self._sizing = default_sizing(settings)
-        self._ready: queue.SimpleQueue[tuple[str, str, Any] | None] = queue.SimpleQueue()
+        # Events from the engine's threads for the consumer's; None: the engine is done.
+        self._ready: queue.SimpleQueue[Event | None] = queue.SimpleQueue()
 
     def tensors(self) -> Iterator[tuple[str, Any]]:
+        """Run the job; for a load, yield ``(name, tensor)`` as each completes."""
+        for event in self.events():
+            if isinstance(event, TensorReady):
+                yield event.name, event.tensor
+
+    def events(self) -> Generator[Event, None, None]:
+        """Run the job, yielding each tensor as it completes and each file of a load
+        once it is done (for callers that act per file: ranks sharing a load)."""
         plan, settings = self.plan, self.settings
-        lock = FolderLock(plan.lock_dir, settings.lock_timeout_s) if plan.lock_dir else None
-        waited = lock.acquire() if lock is not None else 0.0
+        # In order: planners list lock files so that jobs sharing some never deadlock.
+        locks = [Lock(path, settings.lock_timeout_s) for path in plan.locks]
+        waited = 0.0
         try:
+            for lock in locks:
+                waited += lock.acquire()
             for leftover in plan.leftovers():
                 # We hold the lock, so any temp file here belongs to a run that died.
                 leftover.unlink(missing_ok=True)
             listing = plan.list_files()
             started = time.monotonic()
             prepared = self._prepare(listing)
-            if lock is not None and plan.tensors is not None and not self._publishes(prepared):
-                lock.release()  # nothing left to publish: others may read side by side
+            if plan.tensors is not None and not self._publishes(prepared):
+                for lock in locks:  # nothing left to publish: others may read side by side
+                    lock.release()
             stats = yield from self._execute(prepared, started)
             results = prepared.results + stats.results
             failed = {r.path for r in results if r.status == "failed"} | set(listing.refused)
@@ -113,7 +146,7 @@ class Runner:
             if plan.finish is not None:
                 plan.finish(listing, report)
         finally:
-            if lock is not None:
+            for lock in reversed(locks):
                 lock.release()
         self.report = report
         self.plugins.notify_job_done(report)
@@ -158,7 +191,11 @@ class Runner:
                 prepared.mapped.append((entry.rel, header))
                 return
             rel = entry.rel
-            sinks.append(plan.tensors.sink(header, lambda name, t: self._ready.put((rel, name, t))))
+            sinks.append(
+                plan.tensors.sink(
+                    header, lambda name, t: self._ready.put(TensorReady(rel, name, t))
+                )
+            )
         self.io_modes[requested] = mode
         outcome: Status = "restored" if entry.copy_to is not None else "loaded"
         prepared.tasks.append(
@@ -239,14 +276,16 @@ class Runner:
             split_threshold=threshold,
             buffers=settings.bytes_in_flight // sizing.chunk,
             retry=RetryPolicy.of(settings),
-            observer=_Observer(self.plugins, self.plan.job),
+            observer=_Observer(self.plugins, self.plan.job, self._file_finished),
+            # A load reads file by file within its memory budget; a copy spreads its
+            # readers across files.
+            order=file_major if self.plan.tensors is not None else offset_major,
+            gate=_admit if self.plan.tensors is not None else None,
             on_bytes=self._progress(total),
             name=self.plan.job,
         )
 
-    def _execute(
-        self, prepared: _Prepared, started: float
-    ) -> Generator[tuple[str, Any], None, EngineStats]:
+    def _execute(self, prepared: _Prepared, started: float) -> Generator[Event, None, EngineStats]:
         """Run the engine over the prepared files, handing over tensors as they complete;
         returns the engine's stats (through ``yield from``)."""
         if not prepared.tasks:
@@ -270,8 +309,11 @@ class Runner:
             worker.start()
             try:
                 yield from self._hand_over_mapped(prepared, started)
-                while (item := self._ready.get()) is not None:
-                    yield self._hand_over(*item, started)
+                while (event := self._ready.get()) is not None:
+                    if isinstance(event, TensorReady):
+                        self.plan.tensors.taken(event.tensor)
+                        self._hand_over(event, started)
+                    yield event
             finally:
                 if worker.is_alive():  # the consumer stopped early, or an error: stop
                     engine.cancel()
@@ -284,18 +326,27 @@ class Runner:
         finally:
             self._close_progress()
 
-    def _hand_over_mapped(self, prepared: _Prepared, started: float) -> Iterator[tuple[str, Any]]:
+    def _hand_over_mapped(self, prepared: _Prepared, started: float) -> Iterator[Event]:
         for rel, header in prepared.mapped:
             assert self.plan.tensors is not None
             for name, tensor in self.plan.tensors.mapped(header):
-                yield self._hand_over(rel, name, tensor, started)
-            prepared.results.append(FileResult(rel, "loaded", header.size))
+                event = TensorReady(rel, name, tensor)
+                self._hand_over(event, started)
+                yield event
+            result = FileResult(rel, "loaded", header.size)
+            prepared.results.append(result)
+            yield FileFinished(result)
 
-    def _hand_over(self, rel: str, name: str, tensor: Any, started: float) -> tuple[str, Any]:
+    def _hand_over(self, event: TensorReady, started: float) -> None:
         if self.first_tensor_s is None:
             self.first_tensor_s = time.monotonic() - started
-        self.plugins.notify_tensor_ready(self.plan.job, rel, name, tensor)
-        return name, tensor
+        self.plugins.notify_tensor_ready(self.plan.job, event.rel, event.name, event.tensor)
+
+    def _file_finished(self, result: FileResult) -> None:
+        """On an engine thread: a file is done; for a load, the consumer hears of it after
+        the tensors it emitted."""
+        if self.plan.tensors is not None:
+            self._ready.put(FileFinished(result))
 
     # -- after the engine ---------------------------------------------------------------
 
@@ -370,16 +421,25 @@ class Runner:
 
 
 class _Observer:
-    """The engine's observer: every call goes to the plugins' (guarded) observe hooks."""
+    """The engine's observer: every call goes to the plugins' (guarded) observe hooks;
+    a finished file goes to ``finished`` too."""
 
-    def __init__(self, plugins: Plugins, job: str) -> None:
-        self.plugins, self.job = plugins, job
+    def __init__(self, plugins: Plugins, job: str, finished: Callable[[FileResult], None]) -> None:
+        self.plugins, self.job, self.finished = plugins, job, finished
 
     def range_done(self, rel: str, offset: int, length: int, retries: int) -> None:
         self.plugins.notify_range_done(self.job, rel, offset, length, retries)
 
     def file_done(self, result: FileResult) -> None:
         self.plugins.notify_file_done(self.job, result)
+        self.finished(result)
+
+
+def _admit(task: FileTask, span: Span, cancel: threading.Event) -> None:
+    """The engine's gate: a span waits for room in its file's memory budget."""
+    for sink in task.sinks:
+        if isinstance(sink, BudgetedSink):
+            sink.admit(span.offset, span.length, cancel)
 
 
 def _empty_stats(settings: Settings) -> EngineStats:

@@ -198,6 +198,32 @@ class Settings:
         True,
         "After a Hub download that the mirror could not serve, copy it to the mirror.",
     )
+    distributed: str = _setting(
+        "choice",
+        "auto",
+        "auto: when a torch.distributed group has more than one rank on this host (given, "
+        "or the initialised default group), the ranks split a load's files between them, "
+        "each byte read once per host, and every rank gets every tensor. off: each rank "
+        "reads everything itself.",
+        choices=("auto", "off"),
+    )
+    distributed_timeout_s: int = _setting(
+        "int",
+        600,
+        "Seconds a rank waits for the others at each step of a shared load (one file "
+        "read); a rank that failed or died makes the others fail within it.",
+        minimum=1,
+        maximum=24 * 3600,
+    )
+    rank_sharing: str = _setting(
+        "choice",
+        "auto",
+        "How a tensor one rank read reaches the others: pagecache (the others map the "
+        "file the reader just left in the page cache: CPU tensors from local files), "
+        "broadcast (over the group; CUDA tensors, network files), or auto (pagecache "
+        "where it applies, else broadcast).",
+        choices=("auto", "pagecache", "broadcast"),
+    )
     origins: Mapping[str, Origin] = field(default_factory=dict, compare=False, repr=False)
 
     @property

@@ -18,6 +18,7 @@ import mmap
 import os
 import secrets
 import stat
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol, runtime_checkable
@@ -52,6 +53,14 @@ class PlacingSink(Sink, Protocol):
         """Writable, page-aligned-at-aligned-offsets memory for ``[offset, offset+length)``;
         a later ``write`` of that very memory only records that it landed."""
         ...
+
+
+@runtime_checkable
+class BudgetedSink(Sink, Protocol):
+    """A sink that holds what it receives in a memory budget: a span is admitted to it
+    before it is read, and may wait there (see :mod:`loaderplug.budget`)."""
+
+    def admit(self, offset: int, length: int, cancel: threading.Event) -> None: ...
 
 
 def temp_name_for(dst: Path) -> Path:

@@ -15,11 +15,14 @@ import threading
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
+from loaderplug.budget import MemoryBudget
 from loaderplug.dtypes import DTYPES
 from loaderplug.engine import READ_PADDING
 from loaderplug.errors import FormatError, LoaderplugError
 from loaderplug.header import Header, TensorInfo
+from loaderplug.pages import PageReleaser
 from loaderplug.plan import Emit
+from loaderplug.retry import Cancelled
 from loaderplug.staging import StagingPool, as_bytes
 
 if TYPE_CHECKING:
@@ -94,30 +97,73 @@ class _Coverage:
 
 
 class TensorSink:
-    """Assembles a file's tensors in host memory of their own; emits each once complete.
+    """Assembles a file's tensors in host memory; emits each once complete, and gives its
+    memory back when its consumer drops it.
 
     The file's bytes land in one page-aligned anonymous mapping per file, at their file
     offsets: the engine reads ranges straight into it (:meth:`place`) or, when it staged
     them elsewhere, :meth:`write` copies them in. A finished tensor is a view of that
-    mapping, which is never reused, so it keeps its bytes for as long as it lives.
+    mapping, which is never reused; its pages are returned to the kernel once the
+    tensor's storage dies (see :mod:`loaderplug.pages`), so a consumer that drops each
+    tensor holds a window of the file, never all of it. With a ``budget`` the sink holds
+    each span there from its admission (:meth:`admit`) until the runner hands the tensor
+    over (see :mod:`loaderplug.budget`); the file's other bytes until it is done.
     """
 
-    def __init__(self, header: Header, device: str, emit: Emit) -> None:
+    def __init__(
+        self, header: Header, device: str, emit: Emit, budget: MemoryBudget | None = None
+    ) -> None:
         self.header = header
         self.device = device
         self.emit = emit
+        self.budget = budget
         self._dtypes = torch_dtypes(header)
         self._coverage = _Coverage(header)
+        self._begins = [t.begin for t in self._coverage.tensors]
         self._mapping: mmap.mmap | None = None
+        self._pages: PageReleaser | None = None
         self._view = memoryview(b"")
+        self._lock = threading.Lock()
+        self._held = 0  # bytes this file holds in the budget
+        self._emitted = 0  # bytes of tensors emitted: the runner releases them at hand-over
+        self._closed = False
 
     def prepare(self) -> None:
         # Room past the end for the last range's read, padded to the O_DIRECT alignment.
-        self._mapping = mmap.mmap(-1, self.header.size + READ_PADDING)
+        size = self.header.size + READ_PADDING
+        self._mapping = mmap.mmap(-1, size)
+        self._pages = PageReleaser(self._mapping, self.header, size)
         self._view = memoryview(self._mapping)
         for t in self.header.tensors:
             if not t.nbytes:
                 self._deliver(t)
+
+    # -- the memory budget ---------------------------------------------------------
+
+    def continues_a_tensor(self, offset: int) -> bool:
+        """Whether a tensor begun before ``offset`` runs on past it."""
+        i = bisect.bisect_right(self._begins, offset) - 1
+        return i >= 0 and self._coverage.tensors[i].begin < offset < self._coverage.tensors[i].end
+
+    def admit(self, offset: int, length: int, cancel: threading.Event) -> None:
+        """Hold ``length`` bytes at ``offset`` in the budget before they are read."""
+        if self.budget is None:
+            return
+        with self._lock:
+            if self._closed:
+                raise Cancelled
+        self.budget.admit(length, continuation=self.continues_a_tensor(offset), cancel=cancel)
+        with self._lock:
+            self._held += length
+            closed = self._closed
+        if closed:  # aborted meanwhile: what it would have held is not coming
+            self._release(length)
+
+    def _release(self, nbytes: int) -> None:
+        if self.budget is not None:
+            self.budget.release(nbytes)
+
+    # -- landing ---------------------------------------------------------------------
 
     def place(self, offset: int, length: int) -> memoryview:
         return self._view[offset : offset + length]
@@ -130,20 +176,40 @@ class TensorSink:
 
     def _deliver(self, t: TensorInfo) -> None:
         torch = torch_module()
-        if t.nbytes:
-            raw = torch.frombuffer(self._mapping, dtype=torch.uint8, count=t.nbytes, offset=t.begin)
-        else:
-            raw = torch.empty(0, dtype=torch.uint8)
-        tensor = raw.view(self._dtypes[t.name]).reshape(t.shape)
+        dtype = self._dtypes[t.name]
+        if not t.nbytes:
+            self.emit(t.name, torch.empty(t.shape, dtype=dtype))
+            return
+        assert self._pages is not None
+        with self._lock:
+            self._emitted += t.nbytes
+        handle = self._pages.tensor(t)
+        tensor = torch.frombuffer(handle, dtype=torch.uint8).view(dtype).reshape(t.shape)
+        del handle  # the tensor's storage holds it now, and lets go when it dies
         if self.device != "cpu":  # a device without a staging backend
             tensor = tensor.to(self.device)
         self.emit(t.name, tensor)
 
     def commit(self) -> None:
         self._coverage.check_complete(self.header.path)
+        self._close()
 
     def abort(self) -> None:
         self._coverage.abort()
+        self._close()
+
+    def _close(self) -> None:
+        """The file is done: what it held for its own bytes (header, gaps) and for
+        tensors it will never emit goes back; emitted ones go when handed over."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            unclaimed = self._held - self._emitted
+        if unclaimed > 0:
+            self._release(unclaimed)
+        if self._pages is not None:
+            self._pages.release_rest()
 
 
 class DeviceTensorSink:
@@ -221,15 +287,26 @@ class DeviceTensorSink:
 
 def mapped_tensors(header: Header) -> Iterator[tuple[str, torch.Tensor]]:
     """Tensors over a private (copy-on-write) mapping of the file, as safetensors does:
-    they share the page cache's pages until written to, and own their mapping."""
+    they share the page cache's pages until written to, and each gives its pages back
+    when it dies (see :mod:`loaderplug.pages`)."""
     torch = torch_module()
     with open(header.path, "rb") as f:
         size = os.fstat(f.fileno()).st_size
         mapping = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY) if size else None
-    for t in header.tensors:
-        dtype = torch_dtype(header.path, t.name, t.dtype)
-        if not t.nbytes or mapping is None:
-            yield t.name, torch.empty(t.shape, dtype=dtype)
-            continue
-        raw = torch.frombuffer(mapping, dtype=torch.uint8, count=t.nbytes, offset=t.begin)
-        yield t.name, raw.view(dtype).reshape(t.shape)
+    dtypes = torch_dtypes(header)
+    if mapping is None:
+        for t in header.tensors:
+            yield t.name, torch.empty(t.shape, dtype=dtypes[t.name])
+        return
+    releaser = PageReleaser(mapping, header, size)
+    try:
+        for t in header.tensors:
+            if not t.nbytes:
+                yield t.name, torch.empty(t.shape, dtype=dtypes[t.name])
+                continue
+            handle = releaser.tensor(t)
+            raw = torch.frombuffer(handle, dtype=torch.uint8)
+            del handle
+            yield t.name, raw.view(dtypes[t.name]).reshape(t.shape)
+    finally:
+        releaser.release_rest()

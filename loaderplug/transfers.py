@@ -18,6 +18,7 @@ from typing import Any
 
 from loaderplug import manifest as manifest_mod
 from loaderplug.errors import MirrorError, TransferFailed
+from loaderplug.lock import folder_lock
 from loaderplug.plan import FileEntry, Listing, Plan, Verify
 from loaderplug.report import TransferReport
 from loaderplug.runner import run
@@ -76,7 +77,7 @@ def tree_plan(job: str, src: Path, dst: Path, *, use_manifest: bool) -> Plan:
         source=str(src),
         destination=dst,
         list_files=lambda: _list_tree(src, dst, use_manifest),
-        lock_dir=dst,
+        locks=(folder_lock(dst),),
         leftovers=lambda: temp_files(dst),
         finish=None
         if use_manifest
@@ -141,7 +142,7 @@ def select(
         source=str(src_path),
         destination=dst_path,
         list_files=list_files,
-        lock_dir=dst_path / lock_in,
+        locks=(folder_lock(dst_path / lock_in),),
         # Only the chosen files' leftovers: dst may hold much else (a user's local_dir).
         leftovers=lambda: [t for rel in files for t in temps_of(dst_path / rel)],
         verify=verify,

@@ -18,13 +18,24 @@ from loaderplug.errors import MirrorError
 from loaderplug.sinks import is_temp_name
 
 LOCK_NAME = ".loaderplug.lock"
+FILE_LOCK_SUFFIX = ".loaderplug-lock"
 MANIFEST_NAME = ".loaderplug-manifest.json"
 _OWN_NAMES = frozenset({LOCK_NAME, MANIFEST_NAME})
 
 
+def lock_name_for(name: str) -> str:
+    """The name of the lock file of the file ``name``."""
+    return f".{name}{FILE_LOCK_SUFFIX}"
+
+
 def is_own_name(name: str) -> bool:
     """loaderplug's bookkeeping files, never copied as part of a model."""
-    return name in _OWN_NAMES or is_temp_name(name) or name.startswith(MANIFEST_NAME + ".")
+    return (
+        name in _OWN_NAMES
+        or is_temp_name(name)
+        or name.startswith(MANIFEST_NAME + ".")
+        or (name.startswith(".") and name.endswith(FILE_LOCK_SUFFIX))
+    )
 
 
 @dataclass

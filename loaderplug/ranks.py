@@ -1,0 +1,309 @@
+"""Ranks that share a load: each byte read once per host, every tensor to every rank.
+
+When the ranks of a ``torch.distributed`` group load the same files (tensor-parallel
+workers on one host), each reading everything would read the model once per rank, from
+the disk or the volume, and hold it once per rank. Instead the ranks of each host
+(:func:`share_for`) split the files between them, balanced by bytes, by a rule every rank
+computes the same way (:func:`owners`). Each rank loads its own files as any load is
+loaded (a plan run by the runner: locks, leftovers, current copies, the memory budget),
+and the tensors reach the other ranks one of two ways:
+
+* **pagecache** (CPU tensors from files on a local filesystem): the owner reads buffered,
+  so once it is done with a file the file sits in the page cache; it says so, and the
+  others map it from there, as safetensors does, without reading the disk again. A
+  one pass publishes each rank's files into the local copy, and the others map that.
+* **broadcast** (CUDA tensors over NCCL, or files on a network filesystem, whose pages
+  no other process can share): the owner broadcasts each tensor over the group as it
+  completes.
+
+The ranks advance in steps, all together: at each step every rank says (through one
+small collective) what it has done since the last one: a file finished, a tensor to
+broadcast, nothing left, or the error it hit. An error on one rank is raised on every
+rank, naming the rank; every collective runs on a group of loaderplug's own with
+``LOADERPLUG_DISTRIBUTED_TIMEOUT_S``, so a rank that died makes the others fail in time.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from loaderplug.errors import DistributedError, LoaderplugError
+from loaderplug.fs import filesystem_type, is_network_type
+from loaderplug.header import LENGTH_BYTES, Header, header_length, parse_header
+from loaderplug.loads import load_plan
+from loaderplug.runner import FileFinished, Runner, TensorReady
+from loaderplug.settings import Settings
+from loaderplug.tensor_sinks import mapped_tensors
+
+
+@dataclass(frozen=True)
+class Share:
+    """This host's ranks of a group: a gloo group of loaderplug's own, this rank in it."""
+
+    group: Any  # torch.distributed.ProcessGroup
+    rank: int
+    size: int
+    global_ranks: tuple[int, ...]  # each member's rank in the default group
+    timeout_s: int
+
+
+def share_for(group: Any, settings: Settings) -> Share | None:
+    """The ranks on this host that share a load with this one, or None to load alone:
+    sharing is off, no group is given or initialised, or it has one rank here."""
+    if settings.distributed == "off":
+        return None
+    import torch.distributed as dist
+
+    if group is None:
+        if not (dist.is_available() and dist.is_initialized()):
+            return None
+        group = dist.group.WORLD
+    size = dist.get_world_size(group)
+    if size <= 1:
+        return None
+    hosts: list[Any] = [None] * size
+    _collective(dist.all_gather_object, hosts, _host_id(), group=group)
+    here = hosts[dist.get_rank(group)]
+    members = tuple(dist.get_global_rank(group, r) for r, host in enumerate(hosts) if host == here)
+    if len(members) <= 1:
+        return None
+    timeout = datetime.timedelta(seconds=settings.distributed_timeout_s)
+    # Only this host's ranks take part in making their group (every host makes its own).
+    own = dist.new_group(
+        list(members), timeout=timeout, backend="gloo", use_local_synchronization=True
+    )
+    me = members.index(dist.get_rank())
+    return Share(own, me, len(members), members, settings.distributed_timeout_s)
+
+
+def _host_id() -> str:
+    """What tells hosts apart: the host name and this boot of it."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}"
+
+
+def owners(sizes: Sequence[int], ranks: int) -> list[int]:
+    """The rank that reads each file: largest files first, each to the rank with the
+    fewest bytes so far (ties: the lower rank). The same on every rank."""
+    load = [0] * ranks
+    owner = [0] * len(sizes)
+    for index in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        rank = min(range(ranks), key=lambda r: (load[r], r))
+        owner[index] = rank
+        load[rank] += sizes[index]
+    return owner
+
+
+def sharing_mode(
+    paths: Sequence[Path], device: str, local_dir: Path | None, settings: Settings
+) -> str:
+    """pagecache or broadcast, as the setting says or (auto) as the files allow."""
+    if settings.rank_sharing != "auto":
+        return settings.rank_sharing
+    if device != "cpu":
+        return "broadcast"
+    where = [local_dir] if local_dir is not None else {p.parent for p in paths}
+    local = all(not is_network_type(filesystem_type(folder)) for folder in where)
+    return "pagecache" if local else "broadcast"
+
+
+def shared_tensors(
+    paths: Sequence[str | os.PathLike[str]],
+    device: str,
+    local_dir: str | os.PathLike[str] | None,
+    settings: Settings,
+    share: Share,
+    stats: dict[str, Any] | None = None,
+) -> Iterator[tuple[str, Any]]:
+    """Every tensor of ``paths`` on this rank, this rank reading only its own files."""
+    files = [Path(p) for p in paths]
+    local = Path(local_dir) if local_dir is not None else None
+    sizes = [_size(p) for p in files]
+    owner = owners(sizes, share.size)
+    mine = [f for f, r in zip(files, owner, strict=True) if r == share.rank]
+    mode = sharing_mode(files, device, local, settings)
+    if mode == "pagecache":
+        # Buffered, so what this rank reads stays in the page cache for the others.
+        settings = settings.replace(direct_io="off")
+    plan = load_plan(mine, device, settings, local, lock_each_file=True)
+    runner = Runner(plan, settings)
+    if mode == "pagecache":
+        final = [local / f.name if local is not None else f for f in files]
+        yield from _by_page_cache(runner, share, files, final)
+    else:
+        yield from _by_broadcast(runner, share, device)
+    if stats is not None:
+        stats.update(
+            report=runner.report,
+            first_tensor_s=runner.first_tensor_s,
+            io=runner.io_modes,
+            sharing=mode,
+            owners={str(f): share.global_ranks[r] for f, r in zip(files, owner, strict=True)},
+        )
+
+
+def _size(path: Path) -> int:
+    try:
+        return os.stat(path).st_size
+    except OSError as exc:
+        raise LoaderplugError(f"{path}: cannot read it: {exc.strerror or exc}") from exc
+
+
+# -- pagecache -------------------------------------------------------------------------
+
+
+def _by_page_cache(
+    runner: Runner, share: Share, files: list[Path], final: list[Path]
+) -> Iterator[tuple[str, Any]]:
+    """Own tensors as they complete; at each own file done, a step: the files the other
+    ranks finished meanwhile are mapped from the page cache and yielded."""
+    index = {f.name: i for i, f in enumerate(files)}
+    events = runner.events()
+    try:
+        yield from _page_cache_steps(events, share, index, final)
+    finally:
+        events.close()  # stopped early, or another rank failed: stop reading
+
+
+def _page_cache_steps(
+    events: Iterator[Any], share: Share, index: dict[str, int], final: list[Path]
+) -> Iterator[tuple[str, Any]]:
+    done = False
+    while True:
+        news: tuple[str, Any] | None = None
+        if not done:
+            try:
+                for event in events:
+                    if isinstance(event, TensorReady):
+                        yield event.name, event.tensor
+                    elif event.result.status == "failed":
+                        news = ("error", f"{event.result.path}: {event.result.reason}")
+                        break
+                    else:
+                        news = ("file", index[event.result.path])
+                        break
+                else:
+                    done = True
+            except LoaderplugError as exc:
+                news, done = ("error", str(exc)), True
+        steps = _step(share, news)
+        for rank, step in enumerate(steps):
+            if rank != share.rank and step is not None and step[0] == "file":
+                yield from mapped_tensors(_header_of(final[step[1]]))
+        if all(step is None for step in steps):
+            return
+
+
+def _header_of(path: Path) -> Header:
+    """The header of a file another rank just read (from the page cache)."""
+    with open(path, "rb", buffering=0) as f:
+        size = os.fstat(f.fileno()).st_size
+        n = header_length(str(path), f.read(LENGTH_BYTES), size)
+        return parse_header(str(path), f.read(n), size)
+
+
+# -- broadcast -------------------------------------------------------------------------
+
+
+def _by_broadcast(runner: Runner, share: Share, device: str) -> Iterator[tuple[str, Any]]:
+    """A step per tensor: each rank offers its next own tensor, and every offered tensor
+    is broadcast from its owner to the others."""
+    events = runner.events()
+    try:
+        yield from _broadcast_steps(_own_tensors(events), share, device)
+    finally:
+        events.close()
+
+
+def _broadcast_steps(
+    tensors: Iterator[tuple[str, Any]], share: Share, device: str
+) -> Iterator[tuple[str, Any]]:
+    import torch
+    import torch.distributed as dist
+
+    done = False
+    while True:
+        offer: tuple[str, Any] | None = None
+        own = None
+        if not done:
+            try:
+                own = next(tensors, None)
+            except LoaderplugError as exc:
+                offer, done = ("error", str(exc)), True
+            else:
+                if own is None:
+                    done = True
+                else:
+                    name, tensor = own
+                    offer = (
+                        "tensor",
+                        (name, str(tensor.dtype).removeprefix("torch."), list(tensor.shape)),
+                    )
+        steps = _step(share, offer)
+        for rank, step in enumerate(steps):
+            if step is None or step[0] != "tensor":
+                continue
+            name, dtype_name, shape = step[1]
+            if rank == share.rank:
+                assert own is not None
+                tensor = own[1].contiguous()
+            else:
+                dtype = getattr(torch, dtype_name)
+                tensor = torch.empty(shape, dtype=dtype, device=device)
+            raw = tensor.view(-1).view(torch.uint8) if tensor.numel() else tensor
+            if raw.numel():
+                _collective(dist.broadcast, raw, src=share.global_ranks[rank], group=share.group)
+            yield name, tensor
+        if all(step is None for step in steps):
+            return
+
+
+def _own_tensors(events: Iterator[Any]) -> Iterator[tuple[str, Any]]:
+    for event in events:
+        if isinstance(event, FileFinished):
+            if event.result.status == "failed":
+                raise LoaderplugError(f"{event.result.path}: {event.result.reason}")
+            continue
+        yield event.name, event.tensor
+
+
+# -- steps -----------------------------------------------------------------------------
+
+
+def _step(share: Share, news: tuple[str, Any] | None) -> list[tuple[str, Any] | None]:
+    """Tell the other ranks ``news`` and hear theirs; an error anywhere is raised here,
+    on every rank alike."""
+    import torch.distributed as dist
+
+    steps: list[Any] = [None] * share.size
+    _collective(dist.all_gather_object, steps, news, group=share.group)
+    for rank, step in enumerate(steps):
+        if step is not None and step[0] == "error":
+            raise DistributedError(
+                f"rank {share.global_ranks[rank]} of the shared load failed: {step[1]}"
+            )
+    return steps
+
+
+def _collective(op: Any, *args: Any, **kwargs: Any) -> Any:
+    """A collective; a rank that stopped answering (dead, or stuck past the timeout) is
+    a clear error rather than a backend's."""
+    try:
+        return op(*args, **kwargs)
+    except RuntimeError as exc:
+        if isinstance(exc, LoaderplugError):
+            raise
+        raise DistributedError(
+            f"a rank of the shared load stopped answering ({exc}); it may have died, or "
+            f"be slower than LOADERPLUG_DISTRIBUTED_TIMEOUT_S allows"
+        ) from exc

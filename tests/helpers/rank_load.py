@@ -1,0 +1,95 @@
+"""One rank of a shared load, for tests: joins a gloo group, loads, reports as JSON.
+
+Usage: python rank_load.py INIT_FILE RANK WORLD FILE...
+
+Environment: RANK_LOCAL_DIR (a one pass into it), RANK_FAIL (this rank's reads of files
+whose name contains it fail with EACCES), RANK_DIE_AFTER (this rank dies after that many
+tensors), RANK_GROUP=none (no group passed: the default group is found), and every
+LOADERPLUG_* setting. Prints {"tensors": {name: [dtype, shape, crc32]}, "reads": {file:
+bytes read through the source hook}, "error": message or null, "seconds": s}.
+"""
+
+from __future__ import annotations
+
+import datetime
+import errno
+import json
+import os
+import sys
+import threading
+import time
+import zlib
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from loaderplug import hookimpl, plugins
+from loaderplug.errors import LoaderplugError
+from loaderplug.reader import iter_tensors
+from loaderplug.source import PosixSource
+from loaderplug.types import IOPolicy
+
+reads: dict[str, int] = {}
+lock = threading.Lock()
+FAIL = os.environ.get("RANK_FAIL", "")
+
+
+class CountingSource(PosixSource):
+    def pread_into(self, buf: memoryview, offset: int) -> int:
+        if FAIL and FAIL in Path(self.path).name:
+            raise OSError(errno.EACCES, os.strerror(errno.EACCES), self.path)
+        got = super().pread_into(buf, offset)
+        with lock:
+            reads[Path(self.path).name] = reads.get(Path(self.path).name, 0) + got
+        return got
+
+
+class Count:
+    @hookimpl
+    def loaderplug_open_source(self, path: str, policy: IOPolicy) -> PosixSource:
+        return CountingSource(path, policy)
+
+
+def main() -> int:
+    init, rank, world = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    files = sys.argv[4:]
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{init}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=60),
+    )
+    plugins.register(Count())
+    die_after = int(os.environ.get("RANK_DIE_AFTER", "0"))
+    group = None if os.environ.get("RANK_GROUP") == "none" else dist.group.WORLD
+    out: dict[str, object] = {"tensors": {}, "error": None}
+    started = time.monotonic()
+    stats: dict[str, object] = {}
+    try:
+        for n, (name, tensor) in enumerate(
+            iter_tensors(
+                files,
+                local_dir=os.environ.get("RANK_LOCAL_DIR") or None,
+                group=group,
+                stats=stats,
+            ),
+            start=1,
+        ):
+            raw = tensor.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+            dtype = str(tensor.dtype).removeprefix("torch.")
+            out["tensors"][name] = [dtype, list(tensor.shape), zlib.crc32(raw)]  # type: ignore[index]
+            if die_after and n >= die_after:
+                os._exit(9)
+    except LoaderplugError as exc:
+        out["error"] = f"{type(exc).__name__}: {exc}"
+    out["seconds"] = time.monotonic() - started
+    out["reads"] = reads
+    out["sharing"] = stats.get("sharing")
+    print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

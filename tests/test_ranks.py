@@ -1,0 +1,207 @@
+"""Ranks of a gloo group sharing a load, in real processes: every rank gets every tensor,
+each file is read by one rank, failures reach every rank in time."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import zlib
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from loaderplug.ranks import owners
+from loaderplug.testing.model import write_model
+from loaderplug.testing.volume import VolumeProfile, fuse_unavailable_reason, mounted
+from loaderplug.units import MiB
+from tests.conftest import leftover_temps
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("safetensors")
+pytest.importorskip("torch.distributed")
+
+HELPER = Path(__file__).parent / "helpers" / "rank_load.py"
+REPO = Path(__file__).resolve().parent.parent
+needs_fuse = pytest.mark.skipif(
+    fuse_unavailable_reason() is not None, reason=f"FUSE: {fuse_unavailable_reason()}"
+)
+
+
+def expected(files: list[Path]) -> dict[str, list[Any]]:
+    from safetensors.torch import load_file
+
+    want = {}
+    for f in files:
+        for name, t in load_file(str(f)).items():
+            raw = t.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+            want[name] = [str(t.dtype).removeprefix("torch."), list(t.shape), zlib.crc32(raw)]
+    return want
+
+
+def run_ranks(
+    tmp_path: Path,
+    files: list[Path],
+    world: int,
+    env: dict[str, str] | None = None,
+    per_rank: dict[int, dict[str, str]] | None = None,
+    timeout_s: float = 180,
+) -> tuple[list[dict[str, Any]], float]:
+    init = tmp_path / f"init-{time.monotonic_ns()}"
+    base = {
+        "PATH": "/usr/bin:/bin",
+        "PYTHONPATH": str(REPO),
+        "LOADERPLUG_PROGRESS": "0",
+        "LOADERPLUG_CHUNK_BYTES": "256K",
+        "LOADERPLUG_SPLIT_THRESHOLD_BYTES": "512K",
+        "LOADERPLUG_HYDRATE_WORKERS": "4",
+        "LOADERPLUG_FSYNC": "0",
+        **(env or {}),
+    }
+    started = time.monotonic()
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(HELPER), str(init), str(r), str(world), *map(str, files)],
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**base, **(per_rank or {}).get(r, {})},
+        )
+        for r in range(world)
+    ]
+    outs = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=timeout_s)
+        outs.append(json.loads(out) if out.strip() else {"exit": proc.returncode, "stderr": err})
+    return outs, time.monotonic() - started
+
+
+@pytest.fixture
+def model8(tmp_path: Path) -> list[Path]:
+    """An 8 MiB model of 5 shards (uneven sizes): enough to split between 4 ranks."""
+    folder = tmp_path / "model"
+    write_model(folder, 8 * MiB, shards=5)
+    return sorted(folder.glob("*.safetensors"))
+
+
+def test_files_are_split_by_bytes_the_same_way_everywhere() -> None:
+    assert owners([10, 10, 10, 10], 2) == [0, 1, 0, 1]
+    assert owners([100, 1, 1, 1, 60], 2) == [0, 1, 1, 1, 1]
+    split = owners([5, 9, 3, 7, 7, 1], 3)
+    loads = [sum(s for s, r in zip([5, 9, 3, 7, 7, 1], split, strict=True) if r == k) for k in range(3)]
+    assert max(loads) - min(loads) <= 2
+
+
+@pytest.mark.parametrize("sharing", ["pagecache", "broadcast"])
+@pytest.mark.parametrize("world", [2, 4])
+def test_every_rank_gets_every_tensor_and_each_file_is_read_once(
+    tmp_path: Path, model8: list[Path], world: int, sharing: str
+) -> None:
+    outs, _ = run_ranks(tmp_path, model8, world, {"LOADERPLUG_RANK_SHARING": sharing})
+    want = expected(model8)
+    for rank, out in enumerate(outs):
+        assert out.get("error") is None, (rank, out)
+        assert out["tensors"] == want, f"rank {rank} got other tensors"
+        assert out["sharing"] == sharing
+    readers: dict[str, list[int]] = {}
+    for rank, out in enumerate(outs):
+        for name, nbytes in out["reads"].items():
+            readers.setdefault(name, []).append(rank)
+            assert nbytes <= os.path.getsize(model8[0].parent / name) + 256 * 1024
+    # Each file read by exactly one rank (header included), and the shares cover the job.
+    assert sorted(readers) == sorted(f.name for f in model8)
+    assert all(len(ranks) == 1 for ranks in readers.values()), readers
+    assert len({r for ranks in readers.values() for r in ranks}) == world
+
+
+def test_a_one_pass_shared_by_ranks_leaves_one_identical_local_copy(
+    tmp_path: Path, model8: list[Path]
+) -> None:
+    local = tmp_path / "local"
+    outs, _ = run_ranks(tmp_path, model8, 2, {"RANK_LOCAL_DIR": str(local)})
+    want = expected(model8)
+    assert all(out.get("error") is None and out["tensors"] == want for out in outs), outs
+    assert {f.name: (local / f.name).read_bytes() for f in model8} == {
+        f.name: f.read_bytes() for f in model8
+    }
+    assert leftover_temps(local) == []
+    # A later start finds the copy current: the mirror is not read again.
+    outs, _ = run_ranks(tmp_path, model8, 2, {"RANK_LOCAL_DIR": str(local)})
+    assert all(out["tensors"] == want for out in outs)
+    assert all(set(out["reads"]) <= {f.name for f in model8} for out in outs)
+
+
+@needs_fuse
+def test_a_one_pass_from_the_mirror_reads_the_volume_once_across_ranks(tmp_path: Path) -> None:
+    backing = tmp_path / "backing"
+    write_model(backing, 8 * MiB, shards=4)
+    local = tmp_path / "local"
+    with mounted(backing, tmp_path / "mnt", VolumeProfile.unthrottled()) as vol:
+        files = sorted(vol.mountpoint.glob("*.safetensors"))
+        vol.reset_stats()
+        outs, _ = run_ranks(tmp_path, files, 2, {"RANK_LOCAL_DIR": str(local)})
+        served = vol.stats()
+    want = expected(sorted(backing.glob("*.safetensors")))
+    assert all(out.get("error") is None and out["tensors"] == want for out in outs), outs
+    model_bytes = sum(f.stat().st_size for f in backing.glob("*.safetensors"))
+    assert served["bytes_read"] <= 1.05 * model_bytes, (served, model_bytes)
+    assert all((local / f.name).read_bytes() == f.read_bytes() for f in backing.glob("*.safetensors"))
+
+
+def test_a_read_that_fails_on_one_rank_fails_every_rank_naming_it(
+    tmp_path: Path, model8: list[Path]
+) -> None:
+    split = owners([f.stat().st_size for f in model8], 2)
+    victim = next(f for f, r in zip(model8, split, strict=True) if r == 1)
+    outs, took = run_ranks(
+        tmp_path,
+        model8,
+        2,
+        {"LOADERPLUG_DISTRIBUTED_TIMEOUT_S": "20"},
+        per_rank={1: {"RANK_FAIL": victim.name}},
+    )
+    for out in outs:
+        assert out["error"] is not None, out
+        assert "rank 1" in out["error"] and victim.name in out["error"], out["error"]
+        assert "Permission denied" in out["error"]
+    assert took < 60
+
+
+def test_a_rank_killed_mid_load_makes_the_others_fail_within_the_timeout(
+    tmp_path: Path, model8: list[Path]
+) -> None:
+    outs, took = run_ranks(
+        tmp_path,
+        model8,
+        2,
+        {"LOADERPLUG_DISTRIBUTED_TIMEOUT_S": "10"},
+        per_rank={1: {"RANK_DIE_AFTER": "1"}},
+    )
+    assert outs[1].get("exit") == 9
+    assert outs[0]["error"] is not None and "DistributedError" in outs[0]["error"], outs[0]
+    assert took < 50
+
+
+def test_distributed_off_has_every_rank_read_everything(
+    tmp_path: Path, model8: list[Path]
+) -> None:
+    outs, _ = run_ranks(tmp_path, model8, 2, {"LOADERPLUG_DISTRIBUTED": "off"})
+    want = expected(model8)
+    for out in outs:
+        assert out["tensors"] == want and out["sharing"] is None
+        assert sorted(out["reads"]) == sorted(f.name for f in model8)
+
+
+def test_the_initialised_default_group_is_found_and_a_group_of_one_is_no_group(
+    tmp_path: Path, model8: list[Path]
+) -> None:
+    want = expected(model8)
+    outs, _ = run_ranks(tmp_path, model8, 2, {"RANK_GROUP": "none"})
+    assert all(out["tensors"] == want and out["sharing"] == "pagecache" for out in outs)
+    outs, _ = run_ranks(tmp_path, model8, 1)
+    assert outs[0]["tensors"] == want and outs[0]["sharing"] is None
+    assert sorted(outs[0]["reads"]) == sorted(f.name for f in model8)
