@@ -9,8 +9,14 @@
    for the three, and loaderplug's time to first tensor.
 3. The host-to-device ceiling measured in the same run: one pinned-memory copy of the
    model's size, timed with CUDA events.
+4. Ranks (``--ranks``): one process per GPU, in an NCCL group. With one GPU, the staging
+   path under a group of one (which loads as no group); with two or more, the shared
+   load: each rank reads its share of the files through pinned staging and broadcasts
+   its tensors from its device copy. Every rank checks every tensor against
+   safetensors' on its own GPU; the table gives each rank's GB/s (model bytes over the
+   time until it held every tensor).
 
-Prints a markdown table; exits 1 if any tensor differs, 2 if there is no GPU.
+Prints markdown tables; exits 1 if any tensor differs, 2 if there is no GPU.
 """
 
 from __future__ import annotations
@@ -27,10 +33,76 @@ from common import drop_cache  # benchmarks/ is on sys.path when this runs as a 
 from loaderplug.units import MiB
 
 
+def rank_main(rank: int, world: int, init: str, files: list[str]) -> int:
+    """One rank of ``--ranks``: load over the NCCL group, compare, print figures."""
+    import datetime
+    import json
+
+    import torch
+    import torch.distributed as dist
+    from safetensors.torch import load_file
+
+    from loaderplug.reader import iter_tensors
+
+    torch.cuda.set_device(rank)
+    dist.init_process_group(
+        "nccl",
+        init_method=f"file://{init}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=300),
+    )
+    device = f"cuda:{rank}"
+    dist.barrier()
+    started = time.perf_counter()
+    got = dict(iter_tensors(files, device=device, group=dist.group.WORLD, progress=False))
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - started
+    want = {k: v for f in files for k, v in load_file(f, device=device).items()}
+    bad = [k for k, v in want.items() if k not in got or not torch.equal(got[k], v)]
+    total = sum(os.path.getsize(f) for f in files)
+    print(json.dumps({"rank": rank, "seconds": seconds, "gbps": total / seconds / 1e9,
+                      "bad": bad[:5], "tensors": len(got)}))  # fmt: skip
+    dist.destroy_process_group()
+    return 1 if bad else 0
+
+
+def ranks_check(files: list[str], tmp: str) -> int:
+    """Start one process per GPU for :func:`rank_main`; print their table."""
+    import json
+    import subprocess
+
+    import torch
+
+    world = torch.cuda.device_count()
+    init = os.path.join(tmp, "nccl-init")
+    procs = [
+        subprocess.Popen(
+            [sys.executable, __file__, "--rank-child", str(r), str(world), init, *files],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for r in range(world)
+    ]
+    rows = [json.loads(p.communicate()[0].strip().splitlines()[-1]) for p in procs]
+    mode = "staging, group of one" if world == 1 else f"NCCL broadcast, {world} ranks"
+    print(f"\n| rank ({mode}) | s | GB/s | tensors | equal to safetensors |")
+    print("|---|---|---|---|---|")
+    for row in rows:
+        same = "yes" if not row["bad"] else f"NO: {row['bad']}"
+        figures = f"{row['seconds']:.2f} | {row['gbps']:.2f} | {row['tensors']}"
+        print(f"| {row['rank']} | {figures} | {same} |")
+    return 1 if any(row["bad"] for row in rows) else 0
+
+
 def main() -> int:
+    if len(sys.argv) > 1 and sys.argv[1] == "--rank-child":
+        rank, world, init, *files = sys.argv[2:]
+        return rank_main(int(rank), int(world), init, files)
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--size-mib", type=int, default=1024)
     parser.add_argument("--dir", default=tempfile.gettempdir())
+    parser.add_argument("--ranks", action="store_true", help="also the ranks check (4.)")
     args = parser.parse_args()
 
     import torch
@@ -104,7 +176,12 @@ def main() -> int:
             f"| {state} | {name} | {seconds:.2f} | {speed:.0f} | {speed / h2d:.2f} | {first:.3f} |"
         )
     print("\nequal to safetensors:", "yes" if not bad else f"NO: {bad[:5]}")
-    return 1 if bad else 0
+    status = 1 if bad else 0
+    if args.ranks:
+        with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
+            files = [str(p) for p in write_model(Path(tmp), args.size_mib * MiB, shards=4)]
+            status = max(status, ranks_check(files, tmp))
+    return status
 
 
 if __name__ == "__main__":

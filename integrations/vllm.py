@@ -122,7 +122,9 @@ def _loader_class() -> type:
                 model_config.model, model_config.revision, self.settings
             )
             log.info("loaderplug: %s", volcache.describe(weights))
-            return volcache.stream(weights, self.settings)
+            # Under tensor or pipeline parallelism every worker loads the whole
+            # checkpoint: the workers on a host split the reading and share the tensors.
+            return volcache.stream(weights, self.settings, group=seam.world_cpu_group())
 
     return VolcacheModelLoader
 

@@ -30,7 +30,7 @@ import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from loaderplug.errors import LoaderplugError
 from loaderplug.local_copies import hydrate_copy, is_mirror, local_copy
@@ -111,13 +111,18 @@ def locate_weights(model: str, revision: str | None, settings: Settings) -> Mode
     )
 
 
-def stream(weights: ModelWeights, settings: Settings) -> Iterator[tuple[str, torch.Tensor]]:
+def stream(
+    weights: ModelWeights, settings: Settings, group: Any = None
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield every weight as ``(name, tensor)``, owned, on the CPU: read in place, or in
-    one pass that hydrates the local copy (current files there are read locally)."""
+    one pass that hydrates the local copy (current files there are read locally). The
+    ranks of a process ``group`` split the reading (see :mod:`loaderplug.ranks`)."""
     if settings.reader == "fastsafetensors":
         yield from _through_fastsafetensors(weights, settings)
         return
-    yield from iter_tensors(weights.files, local_dir=weights.local_copy, settings=settings)
+    yield from iter_tensors(
+        weights.files, local_dir=weights.local_copy, group=group, settings=settings
+    )
 
 
 def _through_fastsafetensors(

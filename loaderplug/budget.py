@@ -8,6 +8,10 @@ span only while the count stays within the budget. Spans are handed out in file 
 so what is held is a window of the model: the spans in flight, the tensors they are
 completing and the tensors the consumer has not taken or dropped yet.
 
+What the budget does not hold: the tensor the consumer is using (it owns it once handed
+over) and the one just handed over, until the consumer asks for the next; hence "bytes
+in flight + 2 x the largest tensor" for a consumer that drops each tensor.
+
 Two exceptions keep a load from waiting on itself. A span that continues a tensor begun
 in an earlier span is always admitted: that tensor can only complete, and be freed,
 once this span lands. A span is also admitted when nothing is held, so a tensor larger

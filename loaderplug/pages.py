@@ -27,7 +27,8 @@ PAGE = mmap.PAGESIZE
 
 
 class PageReleaser:
-    """Gives back the pages of ``mapping`` as the tensors over them die.
+    """Gives back the pages of ``mapping`` (a private one: anonymous, or a copy-on-write
+    mapping of a file) as the tensors over them die.
 
     Pages are counted only where they are shared: the first and last page of every
     tensor, and every page holding bytes no tensor owns (the header, gaps, the padding

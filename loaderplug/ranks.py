@@ -141,7 +141,7 @@ def shared_tensors(
         final = [local / f.name if local is not None else f for f in files]
         yield from _by_page_cache(runner, share, files, final)
     else:
-        yield from _by_broadcast(runner, share, device)
+        yield from _by_broadcast(runner, share, device, _data_group(share, device))
     if stats is not None:
         stats.update(
             report=runner.report,
@@ -150,6 +150,21 @@ def shared_tensors(
             sharing=mode,
             owners={str(f): share.global_ranks[r] for f, r in zip(files, owner, strict=True)},
         )
+
+
+def _data_group(share: Share, device: str) -> Any:
+    """The group tensors are broadcast over: the share's own (gloo) for CPU tensors, an
+    NCCL group of the same ranks for CUDA ones (from the reader's device copy)."""
+    if not device.startswith("cuda"):
+        return share.group
+    import torch.distributed as dist
+
+    return dist.new_group(
+        list(share.global_ranks),
+        timeout=datetime.timedelta(seconds=share.timeout_s),
+        backend="nccl",
+        use_local_synchronization=True,
+    )
 
 
 def _size(path: Path) -> int:
@@ -215,18 +230,20 @@ def _header_of(path: Path) -> Header:
 # -- broadcast -------------------------------------------------------------------------
 
 
-def _by_broadcast(runner: Runner, share: Share, device: str) -> Iterator[tuple[str, Any]]:
+def _by_broadcast(
+    runner: Runner, share: Share, device: str, data_group: Any
+) -> Iterator[tuple[str, Any]]:
     """A step per tensor: each rank offers its next own tensor, and every offered tensor
-    is broadcast from its owner to the others."""
+    is broadcast from its owner to the others over ``data_group``."""
     events = runner.events()
     try:
-        yield from _broadcast_steps(_own_tensors(events), share, device)
+        yield from _broadcast_steps(_own_tensors(events), share, device, data_group)
     finally:
         events.close()
 
 
 def _broadcast_steps(
-    tensors: Iterator[tuple[str, Any]], share: Share, device: str
+    tensors: Iterator[tuple[str, Any]], share: Share, device: str, data_group: Any
 ) -> Iterator[tuple[str, Any]]:
     import torch
     import torch.distributed as dist
@@ -262,7 +279,7 @@ def _broadcast_steps(
                 tensor = torch.empty(shape, dtype=dtype, device=device)
             raw = tensor.view(-1).view(torch.uint8) if tensor.numel() else tensor
             if raw.numel():
-                _collective(dist.broadcast, raw, src=share.global_ranks[rank], group=share.group)
+                _collective(dist.broadcast, raw, src=share.global_ranks[rank], group=data_group)
             yield name, tensor
         if all(step is None for step in steps):
             return

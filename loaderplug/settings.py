@@ -121,7 +121,9 @@ class Settings:
     bytes_in_flight: int = _setting(
         "size",
         512 * MiB,
-        "Most bytes being read at once (workers x chunk); bounds memory and volume load.",
+        "Most bytes being read at once (workers x chunk); bounds memory and volume load. "
+        "A load holds at most this much of its tensors in host memory besides the ones its "
+        "consumer keeps (a tensor larger than this still loads, alone).",
         minimum=4 * KiB,
         maximum=64 * GiB,
     )

@@ -131,7 +131,8 @@ class TensorSink:
     def prepare(self) -> None:
         # Room past the end for the last range's read, padded to the O_DIRECT alignment.
         size = self.header.size + READ_PADDING
-        self._mapping = mmap.mmap(-1, size)
+        # Private: a page given back (MADV_DONTNEED) is freed, not kept by a shared object.
+        self._mapping = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         self._pages = PageReleaser(self._mapping, self.header, size)
         self._view = memoryview(self._mapping)
         for t in self.header.tensors:

@@ -92,7 +92,9 @@ def test_files_are_split_by_bytes_the_same_way_everywhere() -> None:
     assert owners([10, 10, 10, 10], 2) == [0, 1, 0, 1]
     assert owners([100, 1, 1, 1, 60], 2) == [0, 1, 1, 1, 1]
     split = owners([5, 9, 3, 7, 7, 1], 3)
-    loads = [sum(s for s, r in zip([5, 9, 3, 7, 7, 1], split, strict=True) if r == k) for k in range(3)]
+    loads = [
+        sum(s for s, r in zip([5, 9, 3, 7, 7, 1], split, strict=True) if r == k) for k in range(3)
+    ]
     assert max(loads) - min(loads) <= 2
 
 
@@ -149,7 +151,9 @@ def test_a_one_pass_from_the_mirror_reads_the_volume_once_across_ranks(tmp_path:
     assert all(out.get("error") is None and out["tensors"] == want for out in outs), outs
     model_bytes = sum(f.stat().st_size for f in backing.glob("*.safetensors"))
     assert served["bytes_read"] <= 1.05 * model_bytes, (served, model_bytes)
-    assert all((local / f.name).read_bytes() == f.read_bytes() for f in backing.glob("*.safetensors"))
+    assert all(
+        (local / f.name).read_bytes() == f.read_bytes() for f in backing.glob("*.safetensors")
+    )
 
 
 def test_a_read_that_fails_on_one_rank_fails_every_rank_naming_it(
@@ -186,9 +190,7 @@ def test_a_rank_killed_mid_load_makes_the_others_fail_within_the_timeout(
     assert took < 50
 
 
-def test_distributed_off_has_every_rank_read_everything(
-    tmp_path: Path, model8: list[Path]
-) -> None:
+def test_distributed_off_has_every_rank_read_everything(tmp_path: Path, model8: list[Path]) -> None:
     outs, _ = run_ranks(tmp_path, model8, 2, {"LOADERPLUG_DISTRIBUTED": "off"})
     want = expected(model8)
     for out in outs:

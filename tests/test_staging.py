@@ -73,7 +73,7 @@ class LateBackend:
 @pytest.fixture
 def late(monkeypatch: pytest.MonkeyPatch) -> LateBackend:
     backend = LateBackend()
-    monkeypatch.setattr("loaderplug.reader.backend_for", lambda d: backend if d == "late" else None)
+    monkeypatch.setattr("loaderplug.loads.backend_for", lambda d: backend if d == "late" else None)
     # Two 4 KiB staging buffers for the whole job: each is reused many times over.
     monkeypatch.setattr(staging, "STAGING_BUFFER_BYTES", 4096)
     return backend

@@ -200,3 +200,44 @@ def test_bad_input_fails_with_a_clear_message(mirror: Mirror, tmp_path: Path) ->
     assert "unknown --model-loader-extra-config key(s) 'workerz'" in key_error
     assert "valid keys: bytes_in_flight, chunk_bytes, direct_io" in key_error
     assert "chunk_bytes='huge' is invalid" in value_error
+
+
+TP2 = {"tensor_parallel_size": 2, "distributed_executor_backend": "mp"}
+
+
+def test_volcache_at_tensor_parallel_two_generates_what_safetensors_does(
+    mirror: Mirror, tmp_path: Path
+) -> None:
+    local_dir = tmp_path / "local"
+    shards = sorted(mirror.original.glob("*.safetensors"))
+    weight_bytes = sum(p.stat().st_size for p in shards)
+    other_bytes = sum(p.stat().st_size for p in mirror.original.iterdir() if p not in shards)
+    mirror.volume.reset_stats()
+    from_mirror, from_local, reference_tp2 = run_cases(
+        mirror,
+        local_dir,
+        [
+            {"model": str(mirror.on_mount), "load_format": "volcache", "llm": TP2},
+            {"model": str(mirror.original), "load_format": "volcache", "llm": TP2},
+            {"model": str(mirror.original), "load_format": "safetensors", "llm": TP2},
+        ],
+        # One core per worker: without it vLLM's CPU backend refuses (no NUMA nodes).
+        VLLM_CPU_OMP_THREADS_BIND="0|1",
+    )
+    served = mirror.volume.stats()["bytes_read"]
+    (reference_tp1,) = run_cases(
+        mirror, local_dir, [{"model": str(mirror.original), "load_format": "safetensors"}]
+    )
+    for result in (from_mirror, from_local, reference_tp2, reference_tp1):
+        assert result["ok"], result
+    assert from_mirror["token_ids"] == from_local["token_ids"] == reference_tp2["token_ids"]
+    assert reference_tp2["token_ids"] == reference_tp1["token_ids"]
+    # The two workers split the shards: each weight byte came off the volume once (the
+    # config and tokenizer files are read by vLLM itself, by each process).
+    assert served <= 1.05 * weight_bytes + 4 * other_bytes, (served, weight_bytes, other_bytes)
+    (copy,) = local_dir.iterdir()
+    for shard in shards:
+        assert (copy / shard.name).read_bytes() == shard.read_bytes()
+        # Published under a lock of its own: the workers split the shards between them
+        # (alone, a worker locks the whole copy and the other then reads it locally).
+        assert (copy / f".{shard.name}.loaderplug-lock").exists()

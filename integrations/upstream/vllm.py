@@ -74,6 +74,12 @@ DEFAULT_LOADER_WEIGHTS_ITERATOR = Symbol(
     "fastsafetensors_weights_iterator",
     "the name DefaultModelLoader calls the iterator by: rebound to the wrapper too",
 )
+WORLD_GROUP = Symbol(
+    "vllm.distributed.parallel_state",
+    "get_world_group",
+    "the world's gloo group (its cpu_group): ranks under tensor or pipeline parallelism "
+    "share a load over it",
+)
 # Public API, recorded with the versions it was checked in.
 VERSION = Symbol(
     "vllm",
@@ -93,6 +99,7 @@ SYMBOLS = (
     QUANTIZATION,
     WEIGHTS_ITERATOR,
     DEFAULT_LOADER_WEIGHTS_ITERATOR,
+    WORLD_GROUP,
     VERSION,
 )
 UPSTREAM = Upstream("vllm", OLDEST, NEWEST_CHECKED, SYMBOLS)
@@ -113,6 +120,12 @@ def register_model_loader() -> Callable[[str], Callable[[type[Any]], type[Any]]]
     return cast(
         "Callable[[str], Callable[[type[Any]], type[Any]]]", UPSTREAM.get(REGISTER_MODEL_LOADER)
     )
+
+
+def world_cpu_group() -> Any | None:
+    """The gloo group of every vLLM worker, when there is more than one, else None."""
+    world = UPSTREAM.get(WORLD_GROUP)()
+    return world.cpu_group if world.world_size > 1 else None
 
 
 def base_model_loader() -> type[BaseModelLoader]:

@@ -14,7 +14,9 @@ from pathlib import Path
 from loaderplug.units import MiB
 
 
-def _write_shard(path: Path, tensor_bytes: list[int], first_tensor: int, seed: int) -> list[str]:
+def write_shard(path: Path, tensor_bytes: list[int], first_tensor: int, seed: int) -> list[str]:
+    """One safetensors shard of float32 tensors of ``tensor_bytes`` each (multiples of 4),
+    named ``model.layers.<first_tensor + i>.weight``, filled with seeded random bytes."""
     header: dict[str, object] = {"__metadata__": {"format": "pt"}}
     names, offset = [], 0
     for i, nbytes in enumerate(tensor_bytes):
@@ -70,7 +72,7 @@ def write_model(
         sizes = [per_tensor] * tensors_per_shard
         # A ragged last tensor so a file's size is rarely a multiple of the range size.
         sizes[-1] += 4 * (shard + 1)
-        for tensor in _write_shard(path, sizes, shard * tensors_per_shard, seed + shard):
+        for tensor in write_shard(path, sizes, shard * tensors_per_shard, seed + shard):
             weight_map[tensor] = name
         paths.append(path)
     index = {

@@ -1,0 +1,376 @@
+"""Loading at scale: host memory as the model grows, and ranks that share a load.
+
+Three tables from one run, contenders alternating within each case:
+
+* **memory**: peak RSS of one process loading a 1, 4 and 8 GiB model (8 shards, a few
+  hundred tensors, the largest 100 MiB) cold from local disk, the consumer using and
+  dropping each tensor at once (as a loader copying weights to the GPU does):
+  loaderplug, safetensors ``safe_open`` and fastsafetensors (``cpu``, ``nogds``), against
+  the bound ``bytes in flight + 2 x largest tensor + 256 MiB``.
+* **ranks, local disk, cold**: N = 1, 2, 4 processes each until it has had every tensor
+  of the 4 GiB model: loaderplug sharing the load over a gloo group, loaderplug with
+  ``LOADERPLUG_DISTRIBUTED=off`` (each rank reads everything), ``safe_open`` per rank,
+  and fastsafetensors' ParallelLoader over the same gloo group. Wall time (from launch to
+  the last rank's last tensor), bytes read from the block device (``/sys/block``), and
+  the largest peak RSS of a rank.
+* **ranks, from the mirror**: the same model on the FUSE test volume (40 MiB/s per
+  stream, 640 MiB/s for the mount), N = 1, 2, 4 ranks loading it in one pass into an
+  empty local copy; the volume's bytes, wall time against the volume's floor (model /
+  mount bandwidth) and against a plain ``loaderplug hydrate`` of the model from the
+  same mount in the same run, and each rank's first tensor.
+
+    pip install -e '.[bench]' torch==2.13.0 safetensors fastsafetensors
+    python benchmarks/scale_bench.py [--quick]
+
+Writes benchmarks/results/scale.md and scale.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import drop_cache, run_timed, write_results
+
+from loaderplug.testing.model import write_shard
+from loaderplug.units import GiB, MiB
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+LARGEST = 100 * MiB
+# The rest of each shard, in this repeating pattern: layers' projections and norms.
+PATTERN = (40 * MiB, 12 * MiB, 12 * MiB, 4 * MiB, 16 * 1024, 16 * 1024)
+IN_FLIGHT = 512 * MiB  # the default bytes in flight
+
+
+def write_scale_model(folder: Path, total: int, shards: int = 8) -> list[Path]:
+    """A model like a real checkpoint: an embedding and a head of LARGEST bytes in the
+    first and last shard, the rest in a pattern of big and small tensors."""
+    folder.mkdir(parents=True, exist_ok=True)
+    per_shard = total // shards
+    paths, first = [], 0
+    for shard in range(shards):
+        sizes = [LARGEST] if shard in (0, shards - 1) else []
+        i = 0
+        while sum(sizes) + PATTERN[i % len(PATTERN)] <= per_shard:
+            sizes.append(PATTERN[i % len(PATTERN)])
+            i += 1
+        path = folder / f"model-{shard + 1:05d}-of-{shards:05d}.safetensors"
+        write_shard(path, sizes, first, seed=shard)
+        first += len(sizes)
+        paths.append(path)
+    return paths
+
+
+# -- children ---------------------------------------------------------------------------
+
+
+def child(args: argparse.Namespace) -> None:
+    """One process (one rank) of a case: load with ``args.contender``, drop each tensor,
+    print the figures as JSON."""
+    import torch  # imported before the clock: nobody's load time
+
+    files = [str(f) for f in sorted(Path(args.model).glob("*.safetensors"))]
+    group = None
+    if args.world > 1:
+        import torch.distributed as dist
+
+        dist.init_process_group(
+            "gloo",
+            init_method=f"file://{args.init}",
+            rank=args.rank,
+            world_size=args.world,
+            timeout=datetime.timedelta(seconds=600),
+        )
+        group = dist.group.WORLD
+    started = time.perf_counter()
+    first: float | None = None
+    count = 0
+
+    def used(tensor: Any) -> None:
+        nonlocal first, count
+        if first is None:
+            first = time.perf_counter() - started
+        count += 1
+        if tensor.numel():
+            tensor.reshape(-1).view(torch.uint8)[::4096].sum()  # touch every page
+
+    if args.contender.startswith("loaderplug"):
+        from loaderplug.reader import iter_tensors
+
+        local = args.local or None
+        for _name, tensor in iter_tensors(files, local_dir=local, group=group, progress=False):
+            used(tensor)
+            del tensor
+    elif args.contender == "safe_open":
+        from safetensors import safe_open
+
+        for f in files:
+            with safe_open(f, framework="pt") as st:
+                for key in st.keys():  # noqa: SIM118 - safe_open is not a mapping
+                    used(st.get_tensor(key))
+    elif args.contender == "fastsafetensors":
+        from fastsafetensors import SafeTensorsFileLoader, SingleGroup
+
+        pg = group if group is not None else SingleGroup()
+        loader = SafeTensorsFileLoader(pg, device="cpu", nogds=True)
+        ranks = max(1, args.world)
+        loader.add_filenames({r: files[r::ranks] for r in range(ranks)})
+        buffer = loader.copy_files_to_device()
+        for key in buffer.key_to_rank_lidx:
+            used(buffer.get_tensor(key))
+        buffer.close()
+        loader.close()
+    print(json.dumps({"seconds": time.perf_counter() - started, "first": first, "count": count}))
+
+
+def run_ranks(
+    contender: str, model: Path, world: int, env: dict[str, str], local: Path | None = None
+) -> list[dict[str, Any]]:
+    """Start ``world`` children at once; each one's figures and peak RSS."""
+    init = Path(tempfile.mkdtemp(prefix="scale-init-")) / "init"
+    procs = []
+    for rank in range(world):
+        cmd = [
+            sys.executable, str(Path(__file__).resolve()), "--child", contender,
+            "--model", str(model), "--rank", str(rank), "--world", str(world),
+            "--init", str(init), "--local", str(local or ""),
+        ]  # fmt: skip
+        procs.append(
+            subprocess.Popen(
+                ["/usr/bin/time", "-f", "%M", *cmd],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                env={**os.environ, "LOADERPLUG_PROGRESS": "0", **env},
+            )
+        )
+    figures = []
+    for proc in procs:
+        out, err = proc.communicate()
+        if proc.returncode != 0:
+            raise SystemExit(f"{contender} x{world} failed:\n{out}\n{err[-3000:]}")
+        row = json.loads(out.strip().splitlines()[-1])
+        row["rss"] = int(err.strip().splitlines()[-1]) * 1024
+        figures.append(row)
+    shutil.rmtree(init.parent, ignore_errors=True)
+    return figures
+
+
+# -- measuring --------------------------------------------------------------------------
+
+
+def block_device_of(path: Path) -> Path:
+    dev = os.stat(path).st_dev
+    return Path(f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}/stat")
+
+
+def sectors_read(stat: Path) -> int:
+    return int(stat.read_text().split()[2]) * 512
+
+
+def memory_table(root: Path, sizes: list[int]) -> tuple[str, list[dict[str, Any]]]:
+    rows = []
+    for size in sizes:
+        model = root / f"model-{size // GiB}g"
+        files = write_scale_model(model, size)
+        for contender in ("loaderplug", "safe_open", "fastsafetensors"):
+            drop_cache(files)
+            wall, rss, out = run_timed(
+                [sys.executable, str(Path(__file__).resolve()), "--child", contender,
+                 "--model", str(model), "--world", "1"],
+                {"LOADERPLUG_PROGRESS": "0"},
+            )  # fmt: skip
+            row = {"size": size, "contender": contender, "rss": rss, "wall": wall}
+            row.update(json.loads(out.strip().splitlines()[-1]))
+            rows.append(row)
+            print(f"  memory {size // GiB} GiB {contender:16s} {rss / MiB:6.0f} MiB")
+        shutil.rmtree(model)
+    bound = IN_FLIGHT + 2 * LARGEST + 256 * MiB
+    lines = [
+        f"Peak RSS, one process, cold, each tensor dropped once used. Bound for loaderplug: "
+        f"bytes in flight + 2 x largest tensor + 256 MiB = {bound // MiB} MiB.\n",
+        "| model | reader | peak RSS | within the bound | load s |",
+        "|---|---|---|---|---|",
+    ]
+    for r in rows:
+        within = "yes" if r["rss"] <= bound else "no"
+        lines.append(
+            f"| {r['size'] // GiB} GiB | {r['contender']} | {r['rss'] / MiB:.0f} MiB | "
+            f"{within if r['contender'] == 'loaderplug' else '-'} | {r['seconds']:.2f} |"
+        )
+    return "\n".join(lines), rows
+
+
+def local_ranks_table(model: Path, worlds: list[int]) -> tuple[str, list[dict[str, Any]]]:
+    files = sorted(model.glob("*.safetensors"))
+    model_bytes = sum(f.stat().st_size for f in files)
+    stat = block_device_of(files[0])
+    contenders = {
+        "loaderplug (group)": ("loaderplug", {}),
+        "loaderplug (each rank alone)": ("loaderplug", {"LOADERPLUG_DISTRIBUTED": "off"}),
+        "safe_open per rank": ("safe_open", {}),
+        "fastsafetensors (gloo group)": ("fastsafetensors", {}),
+    }
+    rows = []
+    for world in worlds:
+        for label, (contender, env) in contenders.items():
+            drop_cache(files)
+            before = sectors_read(stat)
+            started = time.perf_counter()
+            try:
+                ranks = run_ranks(contender, model, world, env)
+            except SystemExit as exc:
+                print(f"  {label} x{world}: failed ({str(exc)[:200]})")
+                rows.append({"world": world, "contender": label, "failed": str(exc)[-500:]})
+                continue
+            wall = time.perf_counter() - started
+            device = sectors_read(stat) - before
+            rows.append(
+                {
+                    "world": world,
+                    "contender": label,
+                    "wall": wall,
+                    "load": max(r["seconds"] for r in ranks),
+                    "device_bytes": device,
+                    "rss": max(r["rss"] for r in ranks),
+                }
+            )
+            print(f"  local x{world} {label:30s} {wall:6.2f} s {device / model_bytes:5.2f}x model")
+    lines = [
+        f"The {model_bytes / GiB:.1f} GiB model, cold, N processes each until it has had "
+        "every tensor. Wall: launch to the last rank's last tensor (start-up included); "
+        "load: the slowest rank's load alone.\n",
+        "| N | contender | wall s | load s | x safe_open per rank (load) | device bytes "
+        "/ model | peak RSS (largest rank) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for world in worlds:
+        base = next(
+            (r for r in rows if r["world"] == world and r["contender"] == "safe_open per rank"),
+            None,
+        )
+        for r in (r for r in rows if r["world"] == world):
+            if "failed" in r:
+                lines.append(f"| {world} | {r['contender']} | failed | | | | |")
+                continue
+            ratio = f"{r['load'] / base['load']:.2f}" if base and "load" in base else ""
+            lines.append(
+                f"| {world} | {r['contender']} | {r['wall']:.2f} | {r['load']:.2f} | {ratio} | "
+                f"{r['device_bytes'] / model_bytes:.2f} | {r['rss'] / MiB:.0f} MiB |"
+            )
+    return "\n".join(lines), rows
+
+
+def mirror_ranks_table(
+    model: Path, worlds: list[int], root: Path
+) -> tuple[str, list[dict[str, Any]]]:
+    from loaderplug.testing.volume import VolumeProfile, mounted
+
+    files = sorted(model.glob("*.safetensors"))
+    model_bytes = sum(f.stat().st_size for f in files)
+    mount_rate = 640 * MiB
+    profile = VolumeProfile(
+        per_stream_bytes_per_s=40 * MiB, mount_bytes_per_s=mount_rate, latency_s=0.002
+    )
+    floor = model_bytes / mount_rate
+    rows = []
+    with mounted(model.parent, root / "mnt", profile) as vol:
+        on_mount = vol.mountpoint / model.name
+        local = root / "local"
+        shutil.rmtree(local, ignore_errors=True)
+        vol.reset_stats()
+        wall, _rss, _ = run_timed(
+            [sys.executable, "-m", "loaderplug", "hydrate", "--from", str(on_mount),
+             "--to", str(local)],
+            {"LOADERPLUG_PROGRESS": "0"},
+        )  # fmt: skip
+        hydrate_s = wall
+        print(f"  mirror: plain hydrate {hydrate_s:.2f} s (floor {floor:.2f} s)")
+        for world in worlds:
+            shutil.rmtree(local, ignore_errors=True)
+            vol.reset_stats()
+            started = time.perf_counter()
+            ranks = run_ranks("loaderplug", on_mount, world, {}, local=local)
+            wall = time.perf_counter() - started
+            served = vol.stats()["bytes_read"]
+            rows.append(
+                {
+                    "world": world,
+                    "wall": wall,
+                    "load": max(r["seconds"] for r in ranks),
+                    "first": max(r["first"] for r in ranks),
+                    "volume_bytes": served,
+                    "rss": max(r["rss"] for r in ranks),
+                }
+            )
+            print(f"  mirror x{world}: {wall:.2f} s, volume {served / model_bytes:.2f}x model")
+    lines = [
+        f"The {model_bytes / GiB:.1f} GiB model on the FUSE test volume (40 MiB/s per stream, "
+        f"640 MiB/s for the mount): N ranks, one pass into an empty local copy. The volume's "
+        f"floor: {floor:.2f} s; a plain `loaderplug hydrate` from the same mount in this run: "
+        f"{hydrate_s:.2f} s (process wall, start-up included).\n",
+        "| N | wall s | load s (slowest rank) | x floor (load) | x hydrate (load) | volume bytes / "
+        "model | first tensor s (latest rank) | first / load | peak RSS (largest rank) |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['world']} | {r['wall']:.2f} | {r['load']:.2f} | {r['load'] / floor:.2f} | "
+            f"{r['load'] / hydrate_s:.2f} | {r['volume_bytes'] / model_bytes:.2f} | "
+            f"{r['first']:.2f} | {r['first'] / r['load']:.0%} | {r['rss'] / MiB:.0f} MiB |"
+        )
+    return "\n".join(lines), [*rows, {"hydrate_s": hydrate_s, "floor_s": floor}]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="small models, N = 1 and 2")
+    parser.add_argument("--out", type=Path, default=HERE / "results")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--model", help=argparse.SUPPRESS)
+    parser.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--world", type=int, default=1, help=argparse.SUPPRESS)
+    parser.add_argument("--init", help=argparse.SUPPRESS)
+    parser.add_argument("--local", default="", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        args.contender = args.child
+        child(args)
+        return
+    sizes = [GiB // 4, GiB // 2] if args.quick else [GiB, 4 * GiB, 8 * GiB]
+    worlds = [1, 2] if args.quick else [1, 2, 4]
+    rank_model_size = GiB // 2 if args.quick else 4 * GiB
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="scale-") as tmp:
+        root = Path(tmp)
+        memory, memory_rows = memory_table(root, sizes)
+        model = root / "m" / "model"
+        write_scale_model(model, rank_model_size)
+        local, local_rows = local_ranks_table(model, worlds)
+        mirror, mirror_rows = mirror_ranks_table(model, worlds, root)
+    took = time.perf_counter() - started
+    header = (
+        "# Loading at scale\n\nCommand: `python benchmarks/scale_bench.py"
+        f"{' --quick' if args.quick else ''}`; one run, {took / 60:.1f} minutes.\n\n"
+    )
+    table = "\n\n".join(["## Memory\n\n" + memory, "## Ranks, local disk\n\n" + local,
+                         "## Ranks, from the mirror\n\n" + mirror])  # fmt: skip
+    write_results(
+        args.out, "scale", header, table,
+        {"memory": memory_rows, "local": local_rows, "mirror": mirror_rows},
+    )  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
