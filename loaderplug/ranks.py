@@ -137,11 +137,21 @@ def shared_tensors(
         settings = settings.replace(direct_io="off")
     plan = load_plan(mine, device, settings, local, lock_each_file=True)
     runner = Runner(plan, settings)
-    if mode == "pagecache":
-        final = [local / f.name if local is not None else f for f in files]
-        yield from _by_page_cache(runner, share, files, final)
-    else:
-        yield from _by_broadcast(runner, share, device, _data_group(share, device))
+    import torch.distributed as dist
+
+    groups = [share.group]
+    try:
+        if mode == "pagecache":
+            final = [local / f.name if local is not None else f for f in files]
+            yield from _by_page_cache(runner, share, files, final)
+        else:
+            groups.append(_data_group(share, device))
+            yield from _by_broadcast(runner, share, device, groups[-1])
+    finally:
+        # The groups are this load's: left behind, their threads abort the process at
+        # exit. Every rank is past the last step here (or the load failed everywhere).
+        for group in {id(g): g for g in groups}.values():
+            dist.destroy_process_group(group)
     if stats is not None:
         stats.update(
             report=runner.report,
@@ -200,7 +210,10 @@ def _page_cache_steps(
             try:
                 for event in events:
                     if isinstance(event, TensorReady):
-                        yield event.name, event.tensor
+                        item = [(event.name, event.tensor)]
+                        del event
+                        yield item.pop()  # see loaderplug.runner.Runner._hand_over
+                        continue
                     elif event.result.status == "failed":
                         news = ("error", f"{event.result.path}: {event.result.reason}")
                         break
@@ -280,7 +293,11 @@ def _broadcast_steps(
             raw = tensor.view(-1).view(torch.uint8) if tensor.numel() else tensor
             if raw.numel():
                 _collective(dist.broadcast, raw, src=share.global_ranks[rank], group=data_group)
-            yield name, tensor
+            item = [(name, tensor)]
+            del raw, tensor
+            if rank == share.rank:
+                own = None
+            yield item.pop()  # see loaderplug.runner.Runner._hand_over
         if all(step is None for step in steps):
             return
 
@@ -291,7 +308,9 @@ def _own_tensors(events: Iterator[Any]) -> Iterator[tuple[str, Any]]:
             if event.result.status == "failed":
                 raise LoaderplugError(f"{event.result.path}: {event.result.reason}")
             continue
-        yield event.name, event.tensor
+        item = [(event.name, event.tensor)]
+        del event
+        yield item.pop()  # see loaderplug.runner.Runner._hand_over
 
 
 # -- steps -----------------------------------------------------------------------------

@@ -107,7 +107,9 @@ class Runner:
         """Run the job; for a load, yield ``(name, tensor)`` as each completes."""
         for event in self.events():
             if isinstance(event, TensorReady):
-                yield event.name, event.tensor
+                item = [(event.name, event.tensor)]
+                del event
+                yield item.pop()  # see Runner._hand_over
 
     def events(self) -> Generator[Event, None, None]:
         """Run the job, yielding each tensor as it completes and each file of a load
@@ -313,7 +315,9 @@ class Runner:
                     if isinstance(event, TensorReady):
                         self.plan.tensors.taken(event.tensor)
                         self._hand_over(event, started)
-                    yield event
+                    item = [event]
+                    del event
+                    yield item.pop()  # see Runner._hand_over
             finally:
                 if worker.is_alive():  # the consumer stopped early, or an error: stop
                     engine.cancel()
@@ -330,14 +334,22 @@ class Runner:
         for rel, header in prepared.mapped:
             assert self.plan.tensors is not None
             for name, tensor in self.plan.tensors.mapped(header):
-                event = TensorReady(rel, name, tensor)
-                self._hand_over(event, started)
-                yield event
+                item = [TensorReady(rel, name, tensor)]
+                del tensor
+                self._hand_over(item[0], started)
+                yield item.pop()  # see Runner._hand_over
             result = FileResult(rel, "loaded", header.size)
             prepared.results.append(result)
             yield FileFinished(result)
 
     def _hand_over(self, event: TensorReady, started: float) -> None:
+        """Note the tensor's hand-over (first tensor, observers).
+
+        Every generator on the way to the consumer yields a tensor out of a one-element
+        list it pops in the ``yield`` itself, never from a local variable: a suspended
+        generator keeps its locals, and a tensor the consumer has dropped must be freed
+        then, not when the next one comes (the memory budget counts on it).
+        """
         if self.first_tensor_s is None:
             self.first_tensor_s = time.monotonic() - started
         self.plugins.notify_tensor_ready(self.plan.job, event.rel, event.name, event.tensor)

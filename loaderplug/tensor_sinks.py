@@ -306,8 +306,9 @@ def mapped_tensors(header: Header) -> Iterator[tuple[str, torch.Tensor]]:
                 yield t.name, torch.empty(t.shape, dtype=dtypes[t.name])
                 continue
             handle = releaser.tensor(t)
-            raw = torch.frombuffer(handle, dtype=torch.uint8)
+            item = [(t.name, torch.frombuffer(handle, dtype=torch.uint8))]
+            item[0] = (t.name, item[0][1].view(dtypes[t.name]).reshape(t.shape))
             del handle
-            yield t.name, raw.view(dtypes[t.name]).reshape(t.shape)
+            yield item.pop()  # see loaderplug.runner.Runner._hand_over
     finally:
         releaser.release_rest()
