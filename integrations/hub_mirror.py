@@ -11,14 +11,14 @@
 The listing is what makes a mirror trustworthy: it names every file of the commit with
 its size and etag, so a hydrate knows whether the mirror holds everything a call's
 patterns select, and refuses a blob whose size or content does not match its name.
-Blobs are copied by the range engine (:func:`loaderplug.transfers.select`), verified before
-they are published, and the snapshot links follow them; a ref is written last, so a
-reader that finds it finds the whole snapshot.
+Blobs are copied by the range engine (:func:`loaderplug.transfers.select`), their hashes
+checked in the same pass (:mod:`loaderplug.digest`) before they are published, and the
+snapshot links follow them; a ref is written last, so a reader that finds it finds the
+whole snapshot.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -28,7 +28,8 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from loaderplug.errors import HydrateError, MirrorError
+from loaderplug.digest import Expected
+from loaderplug.errors import MirrorError
 from loaderplug.report import TransferReport
 from loaderplug.settings import Settings
 from loaderplug.transfers import select
@@ -39,7 +40,6 @@ from .upstream.huggingface_hub import LISTING_FORMAT, LOCAL_DIR_META
 
 COMMIT = re.compile(r"^[0-9a-f]{40}$")
 SHA256 = re.compile(r"^[0-9a-f]{64}$")
-HASH_BLOCK = 8 * 1024 * 1024
 log = logging.getLogger(__name__)
 
 
@@ -97,26 +97,25 @@ def link_target(path: str, blob: str) -> str:
     return "../" * (path.count("/") + 2) + f"blobs/{blob}"
 
 
-def verify_blob(rel: str, temp: Path) -> None:
-    """Refuse a copied blob whose content does not match its name: a sha256 name is the
-    content's sha256, a git blob id the git hash of it. Other names are not checked."""
-    name = rel.rsplit("/", 1)[-1]
-    if SHA256.match(name):
-        digest = hashlib.sha256()
-    elif COMMIT.match(name):  # a git blob id: sha1 over a "blob <size>\0" header
-        digest = hashlib.sha1(usedforsecurity=False)
-        digest.update(b"blob %d\0" % temp.stat().st_size)
-    else:
-        return
-    with open(temp, "rb", buffering=0) as f:
-        while block := f.read(HASH_BLOCK):
-            digest.update(block)
-    if digest.hexdigest() != name:
-        raise HydrateError(
-            f"{rel}: the mirror's copy does not match its name (content hash "
-            f"{digest.hexdigest()}); it is corrupt and is not used",
-            path=rel,
-        )
+def blob_expectation(blob: str, size: int) -> Expected | None:
+    """What a blob's content must hash to, by its name: a sha256 name is the content's
+    sha256, a git blob id the git hash of it (sha1 over ``blob <size>\\0`` then the
+    content). Other names are not checked."""
+    if SHA256.match(blob):
+        return Expected("sha256", blob)
+    if COMMIT.match(blob):
+        return Expected("sha1", blob, b"blob %d\0" % size)
+    return None
+
+
+def expectations(by_rel: dict[str, RepoFile]) -> Callable[[str], Expected | None]:
+    """The check of each copied file that is a blob, by its destination path."""
+
+    def expect(rel: str) -> Expected | None:
+        entry = by_rel.get(rel)
+        return blob_expectation(entry.blob, entry.size) if entry is not None else None
+
+    return expect
 
 
 @dataclass
@@ -161,7 +160,8 @@ def hydrate_cache(
         f"snapshots/{selection.commit}/{f.path}": link_target(f.path, f.blob)
         for f in selection.usable
     }
-    return select("hydrate", mirror, local, files, links, settings, verify=verify_blob)
+    expect = expectations({f"blobs/{f.blob}": f for f in selection.usable})
+    return select("hydrate", mirror, local, files, links, settings, expect=expect)
 
 
 def hydrate_local_dir(
@@ -172,11 +172,6 @@ def hydrate_local_dir(
     files = {f.path: f"blobs/{f.blob}" for f in selection.usable}
     rel = listing_rel(selection.commit)
     files[f"{LOCAL_DIR_META}/{rel}"] = rel
-    by_path = {f.path: f.blob for f in selection.usable}
-
-    def verify(dst_rel: str, temp: Path) -> None:
-        if dst_rel in by_path:
-            verify_blob(f"blobs/{by_path[dst_rel]}", temp)
 
     # The lock goes with huggingface_hub's own bookkeeping, not among the user's files.
     return select(
@@ -186,7 +181,7 @@ def hydrate_local_dir(
         files,
         {},
         settings,
-        verify=verify,
+        expect=expectations({f.path: f for f in selection.usable}),
         lock_in=LOCAL_DIR_META,
     )
 
@@ -230,7 +225,8 @@ def sync_snapshot(
     files[rel] = meta + rel
     links = {f"snapshots/{commit}/{f.path}": link_target(f.path, f.blob) for f in entries}
     mirror.mkdir(parents=True, exist_ok=True)
-    report = select("sync", local, mirror, files, links, settings, verify=verify_blob)
+    expect = expectations({f"blobs/{f.blob}": f for f in entries})
+    report = select("sync", local, mirror, files, links, settings, expect=expect)
     if report.ok and not COMMIT.match(revision):
         write_ref(mirror, revision, commit)
     return report

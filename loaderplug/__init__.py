@@ -6,6 +6,8 @@ sources and observing progress.
 """
 
 from loaderplug.errors import (
+    DestinationError,
+    DistributedError,
     FormatError,
     HydrateError,
     LoaderplugError,
@@ -22,6 +24,8 @@ from loaderplug.transfers import hydrate, sync
 from loaderplug.types import FileResult, IOPolicy, MirrorRequest
 
 __all__ = [
+    "DestinationError",
+    "DistributedError",
     "FileResult",
     "FormatError",
     "HydrateError",

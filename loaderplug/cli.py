@@ -1,6 +1,7 @@
 """The ``loaderplug`` command: hydrate, sync, load, doctor, bench and a self-contained demo.
 
-Exit codes: 0 success, 1 some files failed, 2 bad usage or settings, 130 interrupted.
+Exit codes: 0 done; 1 a file or the job failed (a corrupt file, a missing path, an
+unreachable mirror, ...); 2 bad usage or settings only; 130 interrupted.
 """
 
 from __future__ import annotations
@@ -191,6 +192,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("loaderplug: interrupted; temp files removed", file=sys.stderr)
         return EXIT_INTERRUPTED
-    except (LoaderplugError, OSError, _UsageError) as exc:
+    except (SettingsError, _UsageError) as exc:
         print(f"loaderplug: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    except (LoaderplugError, OSError) as exc:
+        print(f"loaderplug: error: {exc}", file=sys.stderr)
+        return EXIT_FAILED

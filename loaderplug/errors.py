@@ -9,6 +9,7 @@ Every error loaderplug raises on purpose derives from :class:`LoaderplugError`::
     ├── TransferFailed     a job finished with failed files (carries the report)
     ├── DistributedError   a rank of a shared load failed or stopped answering
     ├── MirrorError        a mirror or its manifest cannot be trusted
+    ├── DestinationError   a destination cannot take the copy (a file, read-only)
     ├── LockError          the cross-process lock could not be taken in time
     └── PluginError        a plugin could not be loaded or answered badly
 
@@ -61,6 +62,11 @@ class FormatError(LoaderplugError, ValueError):
 
 class MirrorError(LoaderplugError):
     """A mirror, or its manifest, cannot be trusted."""
+
+
+class DestinationError(LoaderplugError):
+    """A job's destination cannot take what it must publish: it is a file, lies under
+    one, or is read-only with files to write."""
 
 
 class LockError(LoaderplugError):

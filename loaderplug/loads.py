@@ -23,7 +23,7 @@ from loaderplug.settings import Settings
 from loaderplug.sinks import Sink, temps_of
 from loaderplug.staging import StagingPool, backend_for, pool_for
 from loaderplug.tensor_sinks import DeviceTensorSink, TensorSink, mapped_tensors
-from loaderplug.types import Identity, IOPolicy
+from loaderplug.types import IOPolicy
 
 
 class _Delivery:
@@ -76,7 +76,7 @@ def load_plan(
         listing = Listing()
         for path in files:
             try:
-                identity = Identity.of(os.stat(path))
+                st = os.stat(path)
             except OSError as exc:
                 raise HydrateError(
                     f"{path}: cannot read it: {exc.strerror or exc}",
@@ -84,7 +84,7 @@ def load_plan(
                     errno=exc.errno,
                 ) from exc
             copy_to = local / path.name if local is not None else None
-            listing.files.append(FileEntry(path.name, path, identity, copy_to))
+            listing.files.append(FileEntry.of(path.name, path, st, copy_to))
         return listing
 
     return Plan(

@@ -10,11 +10,15 @@ delivered.
 
 from __future__ import annotations
 
+import os
+import stat
 from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
+from loaderplug.digest import Expected
 from loaderplug.header import Header
 from loaderplug.sinks import Sink
 from loaderplug.types import Identity, IOPolicy
@@ -22,9 +26,9 @@ from loaderplug.types import Identity, IOPolicy
 if TYPE_CHECKING:
     from loaderplug.report import TransferReport
 
-# Checks a copied file before it is published: called with the file's path relative to
-# the destination and its finished temp file; raising refuses the file (see FileSink).
-Verify = Callable[[str, Path], None]
+# What a copied file must hash to, by its path relative to the destination (None: not
+# checked); checked as it is copied, before it is published (see loaderplug.digest).
+Expect = Callable[[str], Expected | None]
 # Hands a finished tensor on: its name and the tensor.
 Emit = Callable[[str, Any], None]
 
@@ -35,13 +39,21 @@ class FileEntry:
 
     ``rel`` names the file in the report (its path under the destination, or its name
     for a load). With ``copy_to`` the file is published there, unless the copy there is
-    current already; without it the file is only read.
+    current already; without it the file is only read. A copy gets the source's
+    permission bits (``mode``), within the umask.
     """
 
     rel: str
     source: Path
     identity: Identity
     copy_to: Path | None = None
+    mode: int = 0o644
+
+    @staticmethod
+    def of(rel: str, source: Path, st: os.stat_result, copy_to: Path | None = None) -> FileEntry:
+        """The entry for a file whose ``stat`` is ``st``: its identity and permission
+        bits (never setuid, setgid or sticky: a copy must not gain privileges)."""
+        return FileEntry(rel, source, Identity.of(st), copy_to, stat.S_IMODE(st.st_mode) & 0o777)
 
 
 @dataclass
@@ -81,7 +93,8 @@ class Plan:
     nothing is published; see :mod:`loaderplug.lock`).
     ``leftovers`` lists the temp files a killed run of this job may have left; they are
     removed once the lock is held. ``finish`` runs under the lock once every file is
-    done (a sync writes its manifest there).
+    done (a sync writes its manifest there). ``around`` makes a context the whole job
+    runs in, once the locks are held (a sync's mark on the mirror).
     """
 
     job: str
@@ -90,6 +103,7 @@ class Plan:
     list_files: Callable[[], Listing]
     locks: tuple[Path, ...] = ()
     leftovers: Callable[[], list[Path]] = lambda: []
-    verify: Verify | None = None
+    expect: Expect | None = None
     tensors: TensorDelivery | None = None
     finish: Callable[[Listing, TransferReport], None] | None = None
+    around: Callable[[], AbstractContextManager[Any]] | None = None

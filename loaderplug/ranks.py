@@ -26,6 +26,8 @@ rank, naming the rank; every collective runs on a group of loaderplug's own with
 from __future__ import annotations
 
 import datetime
+import math
+import mmap
 import os
 import socket
 from collections.abc import Iterator, Sequence
@@ -107,13 +109,20 @@ def owners(sizes: Sequence[int], ranks: int) -> list[int]:
 def sharing_mode(
     paths: Sequence[Path], device: str, local_dir: Path | None, settings: Settings
 ) -> str:
-    """pagecache or broadcast, as the setting says or (auto) as the files allow."""
+    """pagecache or broadcast, as the setting says or (auto) as measured best
+    (benchmarks/scale_bench.py): the page cache for CPU tensors read in place from a
+    local filesystem (device bytes 1x and 0.9-1.0x safe_open's time at 2 and 4 ranks,
+    a third of a broadcast's memory), a broadcast otherwise: for CUDA tensors, for
+    network files, whose pages other processes cannot share, and for a one pass, whose
+    tensors then flow as they land instead of after each file is durable (from the
+    FUSE volume: 1.5x a plain hydrate's time at 2 ranks, the page cache 2.3x)."""
     if settings.rank_sharing != "auto":
         return settings.rank_sharing
-    if device != "cpu":
+    if device != "cpu" or local_dir is not None:
         return "broadcast"
-    where = [local_dir] if local_dir is not None else {p.parent for p in paths}
-    local = all(not is_network_type(filesystem_type(folder)) for folder in where)
+    local = all(
+        not is_network_type(filesystem_type(folder)) for folder in {p.parent for p in paths}
+    )
     return "pagecache" if local else "broadcast"
 
 
@@ -288,8 +297,7 @@ def _broadcast_steps(
                 assert own is not None
                 tensor = own[1].contiguous()
             else:
-                dtype = getattr(torch, dtype_name)
-                tensor = torch.empty(shape, dtype=dtype, device=device)
+                tensor = _receive_buffer(getattr(torch, dtype_name), shape, device)
             raw = tensor.view(-1).view(torch.uint8) if tensor.numel() else tensor
             if raw.numel():
                 _collective(dist.broadcast, raw, src=share.global_ranks[rank], group=data_group)
@@ -300,6 +308,20 @@ def _broadcast_steps(
             yield item.pop()  # see loaderplug.runner.Runner._hand_over
         if all(step is None for step in steps):
             return
+
+
+def _receive_buffer(dtype: Any, shape: list[int], device: str) -> Any:
+    """Where a broadcast tensor lands: on the host, memory of its own that goes back to
+    the kernel the moment the tensor dies (the allocator's heap would keep it)."""
+    import torch
+
+    if device != "cpu":
+        return torch.empty(shape, dtype=dtype, device=device)
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    if nbytes == 0:
+        return torch.empty(shape, dtype=dtype)
+    memory = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return torch.frombuffer(memory, dtype=torch.uint8).view(dtype).reshape(shape)
 
 
 def _own_tensors(events: Iterator[Any]) -> Iterator[tuple[str, Any]]:

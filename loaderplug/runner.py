@@ -18,7 +18,8 @@ local copy current read it side by side.
 
 from __future__ import annotations
 
-import functools
+import contextlib
+import errno
 import os
 import posixpath
 import queue
@@ -31,8 +32,9 @@ from pathlib import Path
 from typing import Any
 
 from loaderplug.concurrency import AdaptiveLimit, ConcurrencyLimit, FixedLimit
+from loaderplug.digest import DigestSink, ReorderWindow
 from loaderplug.engine import Engine, EngineStats, FileTask
-from loaderplug.errors import FormatError, HydrateError
+from loaderplug.errors import DestinationError, FormatError, HydrateError
 from loaderplug.fs import is_network_type
 from loaderplug.header import LENGTH_BYTES, Header, header_length, parse_header
 from loaderplug.lock import Lock
@@ -42,7 +44,14 @@ from loaderplug.ranges import Span, count_spans, default_sizing, file_major, off
 from loaderplug.report import TransferReport
 from loaderplug.retry import RetryPolicy, retrying
 from loaderplug.settings import Settings
-from loaderplug.sinks import BudgetedSink, Sink, file_sink, is_current_copy, temp_name_for
+from loaderplug.sinks import (
+    BudgetedSink,
+    FileSink,
+    Sink,
+    file_sink,
+    is_current_copy,
+    temp_name_for,
+)
 from loaderplug.types import FileResult, Identity, IOPolicy, Source, Status
 
 
@@ -100,6 +109,8 @@ class Runner:
         self.io_modes: dict[str, str] = {}  # source path -> how it was read, and why
         self._policies: dict[str, IOPolicy] = {}
         self._sizing = default_sizing(settings)
+        # Early ranges kept aside to hash files in order (see loaderplug.digest).
+        self._window = ReorderWindow(settings.bytes_in_flight)
         # Events from the engine's threads for the consumer's; None: the engine is done.
         self._ready: queue.SimpleQueue[Event | None] = queue.SimpleQueue()
 
@@ -115,18 +126,32 @@ class Runner:
         """Run the job, yielding each tensor as it completes and each file of a load
         once it is done (for callers that act per file: ranks sharing a load)."""
         plan, settings = self.plan, self.settings
+        if plan.destination is not None:
+            check_destination(plan.job, plan.destination)
         # In order: planners list lock files so that jobs sharing some never deadlock.
         locks = [Lock(path, settings.lock_timeout_s) for path in plan.locks]
-        waited = 0.0
+        waited, read_only = 0.0, ""
+        guard = contextlib.ExitStack()
         try:
-            for lock in locks:
-                waited += lock.acquire()
-            for leftover in plan.leftovers():
-                # We hold the lock, so any temp file here belongs to a run that died.
-                leftover.unlink(missing_ok=True)
+            try:
+                for lock in locks:
+                    waited += lock.acquire()
+            except OSError as exc:
+                if exc.errno not in READ_ONLY_ERRNOS:
+                    raise
+                # Nothing can be written there: fine if nothing needs to be (checked below).
+                read_only = f"{exc.strerror or exc}: {exc.filename}"
+            if plan.around is not None:
+                guard.enter_context(plan.around())
+            if not read_only:
+                for leftover in plan.leftovers():
+                    # We hold the lock: any temp file here belongs to a run that died.
+                    leftover.unlink(missing_ok=True)
             listing = plan.list_files()
             started = time.monotonic()
             prepared = self._prepare(listing)
+            if read_only:
+                _check_nothing_to_write(plan, prepared, read_only)
             if plan.tensors is not None and not self._publishes(prepared):
                 for lock in locks:  # nothing left to publish: others may read side by side
                     lock.release()
@@ -147,6 +172,11 @@ class Runner:
             report = self._report(results + others, stats, prepared, started, waited)
             if plan.finish is not None:
                 plan.finish(listing, report)
+        except BaseException as exc:
+            guard.__exit__(type(exc), exc, exc.__traceback__)
+            raise
+        else:
+            guard.close()
         finally:
             for lock in reversed(locks):
                 lock.release()
@@ -179,11 +209,25 @@ class Runner:
         policy = self._policy(entry.source, per_file=plan.tensors is not None)
         sinks: list[Sink] = []
         if entry.copy_to is not None:
-            check = functools.partial(plan.verify, entry.rel) if plan.verify else None
             target = self._policy(entry.copy_to)
             sinks.append(
-                file_sink(entry.copy_to, entry.identity, target, fsync=settings.fsync, verify=check)
+                file_sink(
+                    entry.copy_to,
+                    entry.identity,
+                    target,
+                    fsync=settings.fsync,
+                    mode=entry.mode,
+                )
             )
+            expected = plan.expect(entry.rel) if plan.expect is not None else None
+            if expected is not None:
+                # First: a copy that does not hash right is refused before it is published.
+                file = sinks[-1]
+                assert isinstance(file, FileSink)
+                digest = DigestSink(
+                    entry.rel, entry.identity.size, expected, self._window, file.blocks
+                )
+                sinks.insert(0, digest)
         mode = f"{'direct' if policy.direct else 'buffered'} ({policy.reason}){note}"
         if plan.tensors is not None:
             header, retries = self._read_header(entry, policy)
@@ -445,6 +489,34 @@ class _Observer:
     def file_done(self, result: FileResult) -> None:
         self.plugins.notify_file_done(self.job, result)
         self.finished(result)
+
+
+# A destination that cannot take a lock file: a read-only filesystem or folder.
+READ_ONLY_ERRNOS = frozenset({errno.EROFS, errno.EACCES, errno.EPERM})
+
+
+def check_destination(job: str, destination: Path) -> None:
+    """A destination must be a folder, or not exist yet under folders."""
+    for folder in (destination, *destination.parents):
+        if folder.exists() and not folder.is_dir():
+            where = "is" if folder == destination else f"is under {folder}, which is"
+            raise DestinationError(
+                f"{job} destination {destination} {where} a file, not a folder; "
+                f"pick a folder (or remove the file)"
+            )
+        if folder.exists():
+            return
+
+
+def _check_nothing_to_write(plan: Plan, prepared: _Prepared, why: str) -> None:
+    """A read-only destination serves a job only if every copy there is current."""
+    stale = [t.rel for t in prepared.tasks if t.outcome == "restored"]
+    if stale:
+        shown = ", ".join(stale[:3]) + (f" and {len(stale) - 3} more" if len(stale) > 3 else "")
+        raise DestinationError(
+            f"{plan.job} destination {plan.destination} cannot be written ({why}) and "
+            f"{len(stale)} file(s) there are missing or out of date: {shown}"
+        )
 
 
 def _admit(task: FileTask, span: Span, cancel: threading.Event) -> None:

@@ -200,6 +200,22 @@ class Settings:
         True,
         "After a Hub download that the mirror could not serve, copy it to the mirror.",
     )
+    sync_wait_s: int = _setting(
+        "int",
+        600,
+        "Seconds a hydrate waits for a sync that is writing the mirror (and a sync for "
+        "another sync) before it gives up.",
+        minimum=0,
+        maximum=7 * 24 * 3600,
+    )
+    sync_stale_s: int = _setting(
+        "int",
+        60,
+        "A sync refreshes its mark on the mirror every few seconds; a mark not refreshed "
+        "for this long is a dead syncer's: the mirror is then refused until synced again.",
+        minimum=2,
+        maximum=24 * 3600,
+    )
     distributed: str = _setting(
         "choice",
         "auto",

@@ -19,7 +19,7 @@ import os
 import secrets
 import stat
 import threading
-from collections.abc import Callable
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
@@ -110,7 +110,7 @@ def file_sink(
     target: IOPolicy,
     *,
     fsync: bool,
-    verify: Callable[[Path], None] | None = None,
+    mode: int = 0o644,
 ) -> FileSink:
     """The sink that publishes ``dst``, writing the way its filesystem (``target``) wants."""
     return FileSink(
@@ -118,12 +118,12 @@ def file_sink(
         identity.size,
         identity.mtime_ns,
         fsync=fsync,
+        mode=mode,
         # Direct writes in whole pages only: a buffered tail must never share a page
         # with another range's direct write.
         direct_alignment=max(target.alignment, mmap.PAGESIZE) if target.direct else 0,
         # On a network filesystem glibc would emulate fallocate with a write per block.
         preallocate=not is_network_type(target.fs_type),
-        verify=verify,
     )
 
 
@@ -137,27 +137,26 @@ class FileSink:
         mtime_ns: int,
         *,
         fsync: bool,
+        mode: int = 0o644,
         direct_alignment: int = 0,
         preallocate: bool = True,
-        verify: Callable[[Path], None] | None = None,
     ) -> None:
         """``direct_alignment`` > 0 writes aligned ranges with O_DIRECT (local block
         filesystems): no page-cache copy, no dirty pages for the final fsync to flush.
-        ``preallocate`` reserves the file's blocks before the first write. ``verify``
-        checks the finished temp file before it is published; raising refuses it."""
+        ``preallocate`` reserves the file's blocks before the first write."""
         self.dst = dst
         self.size = size
         self.mtime_ns = mtime_ns
         self.fsync = fsync
+        self.mode = mode  # permission bits; the process's umask applies
         self.direct_alignment = direct_alignment
         self.preallocate = preallocate
-        self.verify = verify
         self.temp = temp_name_for(dst)
 
     def prepare(self) -> None:
         try:
             self.dst.parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(self.temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+            fd = os.open(self.temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, self.mode)
         except OSError as exc:
             raise self._error(f"cannot create {self.temp}", exc) from exc
         try:
@@ -219,9 +218,13 @@ class FileSink:
         finally:
             os.close(fd)
 
+    def blocks(self, size: int = 8 * 1024 * 1024) -> Iterator[bytes]:
+        """The temp file's bytes, for a check that must read them again."""
+        with open(self.temp, "rb", buffering=0) as f:
+            while block := f.read(size):
+                yield block
+
     def commit(self) -> None:
-        if self.verify is not None:
-            self.verify(self.temp)
         os.utime(self.temp, ns=(self.mtime_ns, self.mtime_ns))
         if self.fsync:
             fd = os.open(self.temp, os.O_RDONLY | os.O_CLOEXEC)

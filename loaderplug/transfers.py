@@ -19,13 +19,13 @@ from typing import Any
 from loaderplug import manifest as manifest_mod
 from loaderplug.errors import MirrorError, TransferFailed
 from loaderplug.lock import folder_lock
-from loaderplug.plan import FileEntry, Listing, Plan, Verify
+from loaderplug.plan import Expect, FileEntry, Listing, Plan
 from loaderplug.report import TransferReport
 from loaderplug.runner import run
 from loaderplug.settings import Settings, from_env
 from loaderplug.sinks import temps_of
+from loaderplug.sync_mark import SyncMark, wait_for_sync
 from loaderplug.tree import path_problem, symlink_problem, temp_files, walk
-from loaderplug.types import Identity
 
 
 def hydrate(
@@ -44,7 +44,8 @@ def hydrate(
     says what happened to each file; every file that did land is published.
     """
     job_settings = (settings if settings is not None else from_env()).replace(**overrides)
-    report = run(tree_plan("hydrate", Path(src), Path(dst), use_manifest=True), job_settings)
+    plan = tree_plan("hydrate", Path(src), Path(dst), job_settings, use_manifest=True)
+    report = run(plan, job_settings)
     if check and not report.ok:
         raise TransferFailed(report)
     return report
@@ -60,28 +61,38 @@ def sync(
 ) -> TransferReport:
     """Copy a local model folder to the mirror, then write the mirror's manifest last."""
     job_settings = (settings if settings is not None else from_env()).replace(**overrides)
-    report = run(tree_plan("sync", Path(local), Path(mirror), use_manifest=False), job_settings)
+    plan = tree_plan("sync", Path(local), Path(mirror), job_settings, use_manifest=False)
+    report = run(plan, job_settings)
     if check and not report.ok:
         raise TransferFailed(report)
     return report
 
 
-def tree_plan(job: str, src: Path, dst: Path, *, use_manifest: bool) -> Plan:
-    """The plan copying the whole tree at ``src`` to ``dst``; with ``use_manifest``
-    (a hydrate) a mirror's manifest lists the files, and without it (a sync) the copy
-    ends by writing one."""
+def tree_plan(job: str, src: Path, dst: Path, settings: Settings, *, use_manifest: bool) -> Plan:
+    """The plan copying the whole tree at ``src`` to ``dst``. A hydrate
+    (``use_manifest``) lists the mirror by its manifest, once no sync is writing it; a
+    sync marks the mirror while it writes and ends by writing the manifest (see
+    :mod:`loaderplug.sync_mark`)."""
     _check_apart(job, src, dst)
+    wait_s, stale_s = settings.sync_wait_s, settings.sync_stale_s
+
+    def list_files() -> Listing:
+        if use_manifest:
+            wait_for_sync(src, wait_s, stale_s)
+        return _list_tree(src, dst, use_manifest)
+
+    def finish(listing: Listing, report: TransferReport) -> None:
+        _write_manifest(dst, listing, report)
 
     return Plan(
         job=job,
         source=str(src),
         destination=dst,
-        list_files=lambda: _list_tree(src, dst, use_manifest),
+        list_files=list_files,
         locks=(folder_lock(dst),),
         leftovers=lambda: temp_files(dst),
-        finish=None
-        if use_manifest
-        else (lambda listing, report: _write_manifest(dst, listing, report)),
+        finish=None if use_manifest else finish,
+        around=None if use_manifest else (lambda: SyncMark(dst, wait_s, stale_s)),
     )
 
 
@@ -93,12 +104,13 @@ def select(
     symlinks: dict[str, str],
     settings: Settings,
     *,
-    verify: Verify | None = None,
+    expect: Expect | None = None,
     lock_in: str = "",
 ) -> TransferReport:
     """Copy chosen files of ``src`` to ``dst`` under ``dst``'s lock: ``files`` maps each
     destination path to its source path (both relative), ``symlinks`` a destination path
-    to its relative target. ``verify`` checks each copied file before it is published.
+    to its relative target. ``expect`` says what each copied file must hash to; one that
+    does not is never published.
     ``lock_in`` puts the lock in a subfolder of ``dst`` (one its owner ignores).
 
     This is how a layout that is not a plain mirror of a folder (a Hub cache, say) is
@@ -130,7 +142,7 @@ def select(
             except OSError as exc:
                 chosen.refused[rel] = f"cannot read {origin} on the mirror: {exc.strerror or exc}"
                 continue
-            chosen.files.append(FileEntry(rel, src_path / origin, Identity.of(st), dst_path / rel))
+            chosen.files.append(FileEntry.of(rel, src_path / origin, st, dst_path / rel))
         parents = {posixpath.dirname(e.rel) for e in chosen.files} | {
             posixpath.dirname(rel) for rel in chosen.symlinks
         }
@@ -145,7 +157,7 @@ def select(
         locks=(folder_lock(dst_path / lock_in),),
         # Only the chosen files' leftovers: dst may hold much else (a user's local_dir).
         leftovers=lambda: [t for rel in files for t in temps_of(dst_path / rel)],
-        verify=verify,
+        expect=expect,
     )
     return run(plan, settings)
 
@@ -165,8 +177,7 @@ def _list_tree(src: Path, dst: Path, use_manifest: bool) -> Listing:
     if manifest is None:
         tree = walk(src)
         files = [
-            FileEntry(rel, src / rel, Identity.of(st), dst / rel)
-            for rel, st in sorted(tree.files.items())
+            FileEntry.of(rel, src / rel, st, dst / rel) for rel, st in sorted(tree.files.items())
         ]
         return Listing(files, tree.symlinks, tree.dirs, dict(tree.refused))
     listing = Listing(symlinks=dict(manifest.symlinks), refused=dict(manifest.refused))
@@ -190,7 +201,7 @@ def _list_tree(src: Path, dst: Path, use_manifest: bool) -> Listing:
                 f"a sync may be under way: retry when it finishes"
             )
         else:
-            listing.files.append(FileEntry(rel, path, Identity.of(st), dst / rel))
+            listing.files.append(FileEntry.of(rel, path, st, dst / rel))
     return listing
 
 

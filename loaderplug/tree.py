@@ -20,7 +20,8 @@ from loaderplug.sinks import is_temp_name
 LOCK_NAME = ".loaderplug.lock"
 FILE_LOCK_SUFFIX = ".loaderplug-lock"
 MANIFEST_NAME = ".loaderplug-manifest.json"
-_OWN_NAMES = frozenset({LOCK_NAME, MANIFEST_NAME})
+SYNC_MARK_NAME = ".loaderplug-sync"  # see sync_mark
+_OWN_NAMES = frozenset({LOCK_NAME, MANIFEST_NAME, SYNC_MARK_NAME})
 
 
 def lock_name_for(name: str) -> str:
@@ -34,6 +35,7 @@ def is_own_name(name: str) -> bool:
         name in _OWN_NAMES
         or is_temp_name(name)
         or name.startswith(MANIFEST_NAME + ".")
+        or name.startswith(SYNC_MARK_NAME + ".")
         or (name.startswith(".") and name.endswith(FILE_LOCK_SUFFIX))
     )
 

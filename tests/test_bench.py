@@ -71,7 +71,7 @@ def test_the_command_prints_json_and_refuses_bad_budgets(
     assert len(figures["trials"]) == 8 and figures["best"]["mib_per_s"] > 0
     assert main(["bench", str(tmp_path / "model"), "--max-bytes", "lots"]) == 2
     assert "--max-bytes='lots' is invalid" in capsys.readouterr().err
-    assert main(["bench", str(tmp_path / "missing")]) == 2
+    assert main(["bench", str(tmp_path / "missing")]) == 1  # a runtime failure, not usage
     assert "does not exist" in capsys.readouterr().err
 
 

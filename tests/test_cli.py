@@ -166,10 +166,20 @@ def test_load_hydrates_and_loads_in_one_pass(model: Path, tmp_path: Path) -> Non
     assert all((tmp_path / "l" / p.name).read_bytes() == p.read_bytes() for p in shards)
 
 
-def test_load_of_a_corrupt_file_exits_2_with_the_format_error(tmp_path: Path) -> None:
+def test_load_of_a_corrupt_file_exits_1_with_the_format_error(tmp_path: Path) -> None:
     pytest.importorskip("torch")
     bad = tmp_path / "bad.safetensors"
     bad.write_bytes(b"\x05\x00\x00\x00\x00\x00\x00\x00[1,2]")
     done = run("load", str(bad))
-    assert done.returncode == 2
+    assert done.returncode == 1  # the job failed; 2 is for bad usage and settings
     assert "header is list, expected a JSON object" in done.stderr
+
+
+def test_exit_codes_say_done_failed_usage(model: Path, tmp_path: Path) -> None:
+    assert run("hydrate", "--from", str(model), "--to", str(tmp_path / "l")).returncode == 0
+    missing = run("hydrate", "--from", str(tmp_path / "absent"), "--to", str(tmp_path / "m"))
+    assert missing.returncode == 1 and "is not a folder" in missing.stderr
+    bad_flag = run("hydrate", "--from", str(model), "--to", str(tmp_path / "m"), "--workers", "x")
+    assert bad_flag.returncode == 2 and "--workers='x' is invalid" in bad_flag.stderr
+    unknown = run("hydrate", "--from", str(model))  # --to missing: argparse's own usage error
+    assert unknown.returncode == 2

@@ -1,0 +1,151 @@
+"""A mirror a sync is writing, or died writing, is never hydrated as a model."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from loaderplug import MirrorError, hydrate, sync
+from loaderplug.sync_mark import MARK_NAME, SyncMark, read_mark, wait_for_sync
+from loaderplug.testing.model import write_model
+from loaderplug.units import MiB
+from tests.conftest import FAST, leftover_temps, tree_bytes
+
+HELPER = Path(__file__).parent / "helpers" / "slow_hydrate.py"
+REPO = Path(__file__).resolve().parent.parent
+QUICK_MARKS = {"sync_stale_s": 2, "sync_wait_s": 30}
+
+
+def start_sync(local: Path, mirror: Path, delay_s: float) -> subprocess.Popen[str]:
+    args = ["sync", "--from", str(local), "--to", str(mirror), "--chunk-bytes", "64K"]
+    return subprocess.Popen(
+        [sys.executable, str(HELPER), str(delay_s), *args],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={
+            "PATH": "/usr/bin:/bin",
+            "PYTHONPATH": str(REPO),
+            "LOADERPLUG_PROGRESS": "0",
+            "LOADERPLUG_SPLIT_THRESHOLD_BYTES": "128K",
+            "LOADERPLUG_SYNC_STALE_S": "2",
+        },
+    )
+
+
+def wait_until(condition: object, timeout_s: float = 30) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if condition():  # type: ignore[operator]
+            return
+        time.sleep(0.02)
+    raise AssertionError("timed out")
+
+
+def test_a_hydrate_of_a_mirror_whose_first_sync_was_killed_fails_and_publishes_nothing(
+    model: Path, tmp_path: Path
+) -> None:
+    mirror = tmp_path / "mirror"
+    proc = start_sync(model, mirror, 0.2)
+    wait_until(lambda: mirror.exists() and leftover_temps(mirror))
+    proc.kill()
+    proc.communicate(timeout=30)
+    with pytest.raises(MirrorError, match="died while writing this mirror"):
+        hydrate(mirror, tmp_path / "local", **FAST, **QUICK_MARKS)
+    assert not (tmp_path / "local").exists() or tree_bytes(tmp_path / "local") == {}
+    # Synced again, the mirror is whole and hydrates.
+    sync(model, mirror, **FAST, **QUICK_MARKS)
+    hydrate(mirror, tmp_path / "local", **FAST, **QUICK_MARKS)
+    assert tree_bytes(tmp_path / "local") == tree_bytes(model)
+
+
+def test_a_resync_killed_over_an_older_one_is_refused_not_mixed(
+    model: Path, tmp_path: Path
+) -> None:
+    mirror, local = tmp_path / "mirror", tmp_path / "local"
+    sync(model, mirror, **FAST)
+    hydrate(mirror, local, **FAST)
+    old = tree_bytes(local)
+    newer = tmp_path / "newer"
+    write_model(newer, 2 * MiB, shards=4, seed=7)  # the same names, other bytes
+    proc = start_sync(newer, mirror, 0.2)
+    wait_until(lambda: leftover_temps(mirror) and (mirror / MARK_NAME).exists())
+    time.sleep(0.5)  # a file or two replaced, the old manifest still there
+    proc.kill()
+    proc.communicate(timeout=30)
+    with pytest.raises(MirrorError, match="died while writing this mirror"):
+        hydrate(mirror, local, **FAST, **QUICK_MARKS)
+    assert tree_bytes(local) == old  # nothing of the new generation published
+
+
+def test_a_hydrate_waits_for_a_live_sync_and_gets_its_whole_model(
+    model: Path, tmp_path: Path
+) -> None:
+    mirror = tmp_path / "mirror"
+    proc = start_sync(model, mirror, 0.05)
+    wait_until(lambda: (mirror / MARK_NAME).exists())
+    report = hydrate(mirror, tmp_path / "local", **FAST, **QUICK_MARKS)
+    proc.communicate(timeout=60)
+    assert proc.returncode == 0
+    assert report.ok and tree_bytes(tmp_path / "local") == tree_bytes(model)
+    assert not (mirror / MARK_NAME).exists()
+
+
+def test_two_syncs_at_once_take_turns_and_the_manifest_matches_the_files(
+    model: Path, tmp_path: Path
+) -> None:
+    other = tmp_path / "other"
+    write_model(other, 2 * MiB, shards=4, seed=3)
+    mirror = tmp_path / "mirror"
+    procs = [start_sync(model, mirror, 0.02), start_sync(other, mirror, 0.02)]
+    for proc in procs:
+        proc.communicate(timeout=120)
+        assert proc.returncode == 0
+    manifest = json.loads((mirror / ".loaderplug-manifest.json").read_text())
+    for rel, entry in manifest["files"].items():
+        st = (mirror / rel).stat()
+        assert (st.st_size, st.st_mtime_ns) == (entry["size"], entry["mtime_ns"]), rel
+    # The mirror is one of the two generations, whole.
+    assert tree_bytes(mirror) in (tree_bytes(model), tree_bytes(other))
+
+
+def test_a_sync_that_fails_leaves_a_mark_hydrates_refuse_at_once(tmp_path: Path) -> None:
+    mirror = tmp_path / "mirror"
+    with pytest.raises(OSError), SyncMark(mirror, wait_s=1, stale_s=60):
+        raise OSError(errno.EIO, "the volume went away")
+    mark = read_mark(mirror / MARK_NAME)
+    assert mark is not None and mark.abandoned
+    with pytest.raises(MirrorError, match="failed while writing this mirror"):
+        wait_for_sync(mirror, wait_s=30, stale_s=60)
+
+
+def test_a_dead_syncers_mark_is_taken_over_and_a_live_one_waited_for(tmp_path: Path) -> None:
+    mirror = tmp_path / "mirror"
+    mirror.mkdir()
+    (mirror / MARK_NAME).write_text('{"host": "gone", "pid": 1, "started": "then"}')
+    stale = time.time() - 120
+    os.utime(mirror / MARK_NAME, (stale, stale))
+    with SyncMark(mirror, wait_s=5, stale_s=60) as first:
+        assert "gone" not in (mirror / MARK_NAME).read_text()
+        taken = threading.Event()
+
+        def second() -> None:
+            with SyncMark(mirror, wait_s=30, stale_s=60):
+                taken.set()
+
+        waiter = threading.Thread(target=second)
+        waiter.start()
+        assert not taken.wait(0.5)  # the first is alive: the second waits
+        assert first.token in (mirror / MARK_NAME).read_text()
+    assert taken.wait(10)
+    waiter.join()
+    assert not (mirror / MARK_NAME).exists()
