@@ -40,9 +40,10 @@ from typing import Protocol
 
 from loaderplug.concurrency import ConcurrencyLimit, Slot
 from loaderplug.errors import HydrateError
-from loaderplug.ranges import Order, Span, count_spans, offset_major
+from loaderplug.partial import Landed
+from loaderplug.ranges import Order, Span, offset_major
 from loaderplug.retry import Cancelled, RetryPolicy, retrying
-from loaderplug.sinks import PlacingSink, Sink
+from loaderplug.sinks import JournalingSink, PlacingSink, Sink
 from loaderplug.source import aligned_buffer
 from loaderplug.types import FileResult, Identity, IOPolicy, Source, Status
 from loaderplug.units import KiB, MiB
@@ -99,6 +100,8 @@ class FileTask:
     # What the file's result says once every sink committed: restored when one of them
     # published a copy, loaded when they only took its bytes (tensors).
     outcome: Status = "restored"
+    # Ranges a killed run left durable in the partial copy: not read again.
+    landed: Landed = field(default_factory=Landed)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _begun: bool = False
     _remaining: int = 0
@@ -309,10 +312,26 @@ class Engine:
     def run(self, tasks: Sequence[FileTask]) -> EngineStats:
         """Copy every file. Re-raises KeyboardInterrupt (and a worker's crash) after
         aborting every unfinished file's sinks."""
-        for task in tasks:
-            task.expect_spans(count_spans(task.size, self.chunk, self.split_threshold))
+        sizes = [t.size for t in tasks]
+        left = [0] * len(tasks)
+        for span in self.order(sizes, self.chunk, self.split_threshold):
+            left[span.file] += not tasks[span.file].landed.covers(span.offset, span.length)
+        for task, count in zip(tasks, left, strict=True):
+            task.expect_spans(count)
         self._tasks = tasks
-        self._spans = self.order([t.size for t in tasks], self.chunk, self.split_threshold)
+        self._spans = (
+            span
+            for span in self.order(sizes, self.chunk, self.split_threshold)
+            if not tasks[span.file].landed.covers(span.offset, span.length)
+        )
+        for task, count in zip(tasks, left, strict=True):
+            if count == 0:  # a killed run had landed all of it: only the publish is left
+                try:
+                    task.begin()
+                except Exception as exc:
+                    self._fail(task, exc, None)
+                else:
+                    self._finish(task)
         count = self.limit.ceiling
         readers = [self._thread(self._reader, f"read-{i}") for i in range(count)]
         writers = [self._thread(self._writer, f"write-{i}") for i in range(count)]
@@ -605,6 +624,13 @@ class Engine:
         if not span_done:
             return
         span = write.span
+        try:
+            for sink in write.task.sinks:
+                if isinstance(sink, JournalingSink):
+                    sink.span_landed(span.offset, span.length)
+        except OSError as exc:
+            self._fail(write.task, exc, span)
+            return
         self.observer.range_done(write.task.rel, span.offset, span.length, retries)
         if write.task.span_done():
             self._finish(write.task)

@@ -34,10 +34,11 @@ from typing import Any
 from loaderplug.concurrency import AdaptiveLimit, ConcurrencyLimit, FixedLimit
 from loaderplug.digest import DigestSink, ReorderWindow
 from loaderplug.engine import Engine, EngineStats, FileTask
-from loaderplug.errors import DestinationError, FormatError, HydrateError
+from loaderplug.errors import DestinationError, FormatError, HydrateError, TransferFailed
 from loaderplug.fs import is_network_type
 from loaderplug.header import LENGTH_BYTES, Header, header_length, parse_header
 from loaderplug.lock import Lock
+from loaderplug.partial import Landed, read_landed
 from loaderplug.plan import FileEntry, Listing, Plan
 from loaderplug.plugins import Plugins
 from loaderplug.ranges import Span, count_spans, default_sizing, file_major, offset_major, size_job
@@ -51,6 +52,7 @@ from loaderplug.sinks import (
     file_sink,
     is_current_copy,
     temp_name_for,
+    temps_of,
 )
 from loaderplug.types import FileResult, Identity, IOPolicy, Source, Status
 
@@ -93,6 +95,7 @@ class _Prepared:
     mapped: list[tuple[str, Header]] = field(default_factory=list)
     results: list[FileResult] = field(default_factory=list)
     header_retries: int = 0
+    resumed: set[Path] = field(default_factory=set)  # partial copies and their journals
 
 
 class Runner:
@@ -107,6 +110,7 @@ class Runner:
         self.report: TransferReport | None = None
         self.first_tensor_s: float | None = None
         self.io_modes: dict[str, str] = {}  # source path -> how it was read, and why
+        self.resumed_bytes = 0  # bytes a killed run had copied, not read again
         self._policies: dict[str, IOPolicy] = {}
         self._sizing = default_sizing(settings)
         # Early ranges kept aside to hash files in order (see loaderplug.digest).
@@ -143,13 +147,14 @@ class Runner:
                 read_only = f"{exc.strerror or exc}: {exc.filename}"
             if plan.around is not None:
                 guard.enter_context(plan.around())
-            if not read_only:
-                for leftover in plan.leftovers():
-                    # We hold the lock: any temp file here belongs to a run that died.
-                    leftover.unlink(missing_ok=True)
+            # We hold the lock: whatever these are, a run that died left them.
+            leftovers = [] if read_only else plan.leftovers()
             listing = plan.list_files()
             started = time.monotonic()
             prepared = self._prepare(listing)
+            for leftover in leftovers:
+                if leftover not in prepared.resumed:  # a partial copy resumed stays
+                    leftover.unlink(missing_ok=True)
             if read_only:
                 _check_nothing_to_write(plan, prepared, read_only)
             if plan.tensors is not None and not self._publishes(prepared):
@@ -187,6 +192,8 @@ class Runner:
 
     def _prepare(self, listing: Listing) -> _Prepared:
         prepared = _Prepared(results=self._make_dirs(listing.dirs))
+        if self.plan.tensors is not None:
+            self._finish_partial_copies(listing, prepared)
         for entry in listing.files:
             requested, copy_to, note = str(entry.source), entry.copy_to, ""
             if copy_to is not None and is_current_copy(copy_to, entry.identity):
@@ -200,6 +207,32 @@ class Runner:
             self._prepare_entry(entry, prepared, requested, note)
         return prepared
 
+    def _finish_partial_copies(self, listing: Listing, prepared: _Prepared) -> None:
+        """A load's files that a killed run left partly copied are finished first, as a
+        copy (only what had not landed is read from the source); their tensors are then
+        read from the local copy, like those of any current copy."""
+        partial = [
+            e
+            for e in listing.files
+            if e.copy_to is not None
+            and not is_current_copy(e.copy_to, e.identity)
+            and read_landed(e.copy_to, e.identity) is not None
+        ]
+        if not partial:
+            return
+        plan = self.plan
+        finish = Plan(
+            job=plan.job,
+            source=plan.source,
+            destination=plan.destination,
+            list_files=lambda: Listing(files=partial),  # the locks are held already
+            expect=plan.expect,
+        )
+        report = run(finish, self.settings)
+        prepared.resumed.update(p for e in partial if e.copy_to for p in temps_of(e.copy_to))
+        if not report.ok:
+            raise TransferFailed(report)
+
     def _prepare_entry(
         self, entry: FileEntry, prepared: _Prepared, requested: str, note: str
     ) -> None:
@@ -208,8 +241,13 @@ class Runner:
         plan, settings = self.plan, self.settings
         policy = self._policy(entry.source, per_file=plan.tensors is not None)
         sinks: list[Sink] = []
+        resume: Landed | None = None
         if entry.copy_to is not None:
             target = self._policy(entry.copy_to)
+            resume = read_landed(entry.copy_to, entry.identity)
+            if resume is not None:
+                prepared.resumed.update(temps_of(entry.copy_to))
+                self.resumed_bytes += resume.nbytes
             sinks.append(
                 file_sink(
                     entry.copy_to,
@@ -217,6 +255,7 @@ class Runner:
                     target,
                     fsync=settings.fsync,
                     mode=entry.mode,
+                    resume=resume,
                 )
             )
             expected = plan.expect(entry.rel) if plan.expect is not None else None
@@ -245,7 +284,15 @@ class Runner:
         self.io_modes[requested] = mode
         outcome: Status = "restored" if entry.copy_to is not None else "loaded"
         prepared.tasks.append(
-            FileTask(entry.rel, str(entry.source), entry.identity, sinks, policy, outcome=outcome)
+            FileTask(
+                entry.rel,
+                str(entry.source),
+                entry.identity,
+                sinks,
+                policy,
+                outcome=outcome,
+                landed=resume or Landed(),
+            )
         )
 
     def _policy(self, path: Path, *, per_file: bool = False) -> IOPolicy:

@@ -25,6 +25,7 @@ from typing import Protocol, runtime_checkable
 
 from loaderplug.errors import HydrateError
 from loaderplug.fs import is_network_type
+from loaderplug.partial import Journal, Landed, is_partial_name, journal_for, partial_for
 from loaderplug.types import Identity, IOPolicy
 
 TEMP_SUFFIX = ".loaderplug-tmp"
@@ -70,12 +71,22 @@ def temp_name_for(dst: Path) -> Path:
 
 
 def is_temp_name(name: str) -> bool:
-    return name.startswith(".") and name.endswith(TEMP_SUFFIX)
+    """A temp file, a partial copy or its journal: never part of a model."""
+    return (name.startswith(".") and name.endswith(TEMP_SUFFIX)) or is_partial_name(name)
 
 
 def temps_of(dst: Path) -> list[Path]:
-    """Temp files a killed run left for ``dst`` (see :func:`temp_name_for`)."""
-    return list(dst.parent.glob(f".{glob.escape(dst.name)}.*{TEMP_SUFFIX}"))
+    """What a killed run left for ``dst``: temp files, and its partial copy and journal
+    (see :mod:`loaderplug.partial`), which the next run may resume."""
+    temps = list(dst.parent.glob(f".{glob.escape(dst.name)}.*{TEMP_SUFFIX}"))
+    return temps + [p for p in (partial_for(dst), journal_for(dst)) if p.exists()]
+
+
+@runtime_checkable
+class JournalingSink(Sink, Protocol):
+    """A sink that records each span once it is durable, so a killed run can resume."""
+
+    def span_landed(self, offset: int, length: int) -> None: ...
 
 
 def is_current_copy(dst: Path, identity: Identity) -> bool:
@@ -111,14 +122,19 @@ def file_sink(
     *,
     fsync: bool,
     mode: int = 0o644,
+    resume: Landed | None = None,
 ) -> FileSink:
-    """The sink that publishes ``dst``, writing the way its filesystem (``target``) wants."""
+    """The sink that publishes ``dst``, writing the way its filesystem (``target``)
+    wants, journalling its durable spans (and with ``resume`` continuing a killed run's
+    partial copy)."""
     return FileSink(
         dst,
         identity.size,
         identity.mtime_ns,
         fsync=fsync,
         mode=mode,
+        identity=identity,
+        resume=resume,
         # Direct writes in whole pages only: a buffered tail must never share a page
         # with another range's direct write.
         direct_alignment=max(target.alignment, mmap.PAGESIZE) if target.direct else 0,
@@ -140,10 +156,15 @@ class FileSink:
         mode: int = 0o644,
         direct_alignment: int = 0,
         preallocate: bool = True,
+        identity: Identity | None = None,
+        resume: Landed | None = None,
     ) -> None:
         """``direct_alignment`` > 0 writes aligned ranges with O_DIRECT (local block
         filesystems): no page-cache copy, no dirty pages for the final fsync to flush.
-        ``preallocate`` reserves the file's blocks before the first write."""
+        ``preallocate`` reserves the file's blocks before the first write. With the
+        source's ``identity`` the copy keeps a journal of its durable spans, and with
+        ``resume`` continues the partial copy a killed run left (see
+        :mod:`loaderplug.partial`)."""
         self.dst = dst
         self.size = size
         self.mtime_ns = mtime_ns
@@ -151,22 +172,47 @@ class FileSink:
         self.mode = mode  # permission bits; the process's umask applies
         self.direct_alignment = direct_alignment
         self.preallocate = preallocate
-        self.temp = temp_name_for(dst)
+        self.resume = resume
+        # One writer per destination at a time (the job's lock): the name can be fixed,
+        # so the next run finds what a killed one left.
+        self.temp = partial_for(dst)
+        self.journal = Journal(dst, identity, fsync=fsync) if identity is not None else None
 
     def prepare(self) -> None:
+        if self.resume is not None:
+            if self.journal is not None:
+                self.journal.start(fresh=False)
+            return
         try:
             self.dst.parent.mkdir(parents=True, exist_ok=True)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.temp)  # a partial nobody can resume
             fd = os.open(self.temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, self.mode)
         except OSError as exc:
             raise self._error(f"cannot create {self.temp}", exc) from exc
         try:
             self._preallocate(fd)
+            if self.journal is not None:
+                self.journal.start(fresh=True)
         except OSError as exc:
             self.abort()
             what = f"cannot reserve {self.size} bytes in {self.dst.parent}"
             raise self._error(what, exc, "; free some space there or hydrate elsewhere") from exc
         finally:
             os.close(fd)
+
+    def span_landed(self, offset: int, length: int) -> None:
+        """Every byte of ``[offset, offset + length)`` is written: make it durable, then
+        journal it."""
+        if self.journal is None:
+            return
+        if self.fsync:
+            fd = os.open(self.temp, os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                os.fdatasync(fd)
+            finally:
+                os.close(fd)
+        self.journal.record(offset, offset + length)
 
     def _error(self, what: str, exc: OSError, advice: str = "") -> HydrateError:
         return HydrateError(
@@ -233,6 +279,8 @@ class FileSink:
             finally:
                 os.close(fd)
         os.replace(self.temp, self.dst)
+        if self.journal is not None:
+            self.journal.remove()
         if self.fsync:
             try:
                 fsync_dir(self.dst.parent)
@@ -242,3 +290,5 @@ class FileSink:
     def abort(self) -> None:
         with contextlib.suppress(FileNotFoundError, NotADirectoryError):
             os.unlink(self.temp)
+        if self.journal is not None:
+            self.journal.remove()

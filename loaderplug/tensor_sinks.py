@@ -41,15 +41,36 @@ def torch_module() -> Any:
 
 def torch_dtype(path: str, name: str, dtype: str) -> torch.dtype:
     known = DTYPES.get(dtype)
-    found = getattr(torch_module(), known.torch_name, None) if known else None
+    if known is None:
+        raise FormatError(f"{path}: tensor {name!r}: unknown dtype {dtype!r}")
+    if known.torch_name is None:
+        raise FormatError(f"{path}: tensor {name!r}: dtype {dtype} has no torch dtype")
+    found = getattr(torch_module(), known.torch_name, None)
     if found is None:
-        raise FormatError(f"{path}: tensor {name!r}: dtype {dtype} is not supported by this torch")
+        raise FormatError(
+            f"{path}: tensor {name!r}: dtype {dtype} needs torch.{known.torch_name}, "
+            f"which this torch ({torch_module().__version__}) lacks"
+        )
     return found  # type: ignore[no-any-return]
 
 
 def torch_dtypes(header: Header) -> dict[str, torch.dtype]:
-    """Each tensor's torch dtype; a dtype this torch lacks fails before any read."""
-    return {t.name: torch_dtype(header.path, t.name, t.dtype) for t in header.tensors}
+    """Each tensor's torch dtype; a dtype this torch lacks, or a shape torch cannot take
+    (see :attr:`TensorInfo.torch_shape`), fails before any read."""
+    dtypes = {}
+    for t in header.tensors:
+        dtypes[t.name] = torch_dtype(header.path, t.name, t.dtype)
+        try:
+            DTYPES[t.dtype].torch_shape(t.shape)  # as t.torch_shape will
+        except ValueError as exc:
+            raise FormatError(f"{header.path}: tensor {t.name!r}: {exc}") from exc
+    return dtypes
+
+
+def _empty(dtype: torch.dtype, t: TensorInfo) -> torch.Tensor:
+    """A tensor of no elements; a view, as torch.empty(shape) refuses some such shapes."""
+    empty = torch_module().empty(0, dtype=dtype)
+    return empty.reshape(t.torch_shape)  # type: ignore[no-any-return]
 
 
 class _Coverage:
@@ -179,13 +200,13 @@ class TensorSink:
         torch = torch_module()
         dtype = self._dtypes[t.name]
         if not t.nbytes:
-            self.emit(t.name, torch.empty(t.shape, dtype=dtype))
+            self.emit(t.name, _empty(dtype, t))
             return
         assert self._pages is not None
         with self._lock:
             self._emitted += t.nbytes
         handle = self._pages.tensor(t)
-        tensor = torch.frombuffer(handle, dtype=torch.uint8).view(dtype).reshape(t.shape)
+        tensor = torch.frombuffer(handle, dtype=torch.uint8).view(dtype).reshape(t.torch_shape)
         del handle  # the tensor's storage holds it now, and lets go when it dies
         if self.device != "cpu":  # a device without a staging backend
             tensor = tensor.to(self.device)
@@ -272,7 +293,7 @@ class DeviceTensorSink:
                 self._deliver(t, raw)
 
     def _deliver(self, t: TensorInfo, raw: torch.Tensor) -> None:
-        self.emit(t.name, raw.view(self._dtypes[t.name]).reshape(t.shape))
+        self.emit(t.name, raw.view(self._dtypes[t.name]).reshape(t.torch_shape))
 
     def commit(self) -> None:
         self._coverage.check_complete(self.header.path)
@@ -297,17 +318,17 @@ def mapped_tensors(header: Header) -> Iterator[tuple[str, torch.Tensor]]:
     dtypes = torch_dtypes(header)
     if mapping is None:
         for t in header.tensors:
-            yield t.name, torch.empty(t.shape, dtype=dtypes[t.name])
+            yield t.name, _empty(dtypes[t.name], t)
         return
     releaser = PageReleaser(mapping, header, size)
     try:
         for t in header.tensors:
             if not t.nbytes:
-                yield t.name, torch.empty(t.shape, dtype=dtypes[t.name])
+                yield t.name, _empty(dtypes[t.name], t)
                 continue
             handle = releaser.tensor(t)
             item = [(t.name, torch.frombuffer(handle, dtype=torch.uint8))]
-            item[0] = (t.name, item[0][1].view(dtypes[t.name]).reshape(t.shape))
+            item[0] = (t.name, item[0][1].view(dtypes[t.name]).reshape(t.torch_shape))
             del handle
             yield item.pop()  # see loaderplug.runner.Runner._hand_over
     finally:

@@ -13,6 +13,7 @@ import pytest
 
 from loaderplug import plugins
 from loaderplug.hookspecs import hookimpl
+from loaderplug.sinks import is_temp_name
 from loaderplug.source import PosixSource
 from loaderplug.testing.model import write_model
 from loaderplug.tree import is_own_name
@@ -75,7 +76,8 @@ def tree_bytes(root: Path) -> dict[str, bytes]:
 
 
 def leftover_temps(root: Path) -> list[Path]:
-    return [p for p in root.rglob("*.loaderplug-tmp")]
+    """Temp files, partial copies and their journals under ``root``."""
+    return [p for p in root.rglob(".*") if is_temp_name(p.name)]
 
 
 class FaultySource:

@@ -25,10 +25,10 @@ def test_copies_keep_the_source_permission_bits_without_setuid_within_the_umask(
     old = os.umask(0o027)
     try:
         hydrate(model, tmp_path / "local", **FAST)
-        sync(tmp_path / "local", tmp_path / "mirror", **FAST)
+        sync(tmp_path / "local", tmp_path / "synced", **FAST)
     finally:
         os.umask(old)
-    for root in (tmp_path / "local", tmp_path / "mirror"):
+    for root in (tmp_path / "local", tmp_path / "synced"):
         assert stat.S_IMODE((root / "config.json").stat().st_mode) == 0o600
         assert stat.S_IMODE((root / "run.sh").stat().st_mode) == 0o750  # 0755 within 027
         shard = next(root.glob("*.safetensors"))

@@ -4,17 +4,22 @@ local Hub (tests/hubserver.py) and a folder as the volume mirror."""
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
+import shutil
+import socket
 import sys
 import types
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 pytest.importorskip("huggingface_hub")
 import huggingface_hub
 from huggingface_hub import _snapshot_download, constants
+from huggingface_hub.errors import LocalEntryNotFoundError
 from loaderplug.integrations import huggingface_hub as lp_hub
 
 from loaderplug import hookimpl
@@ -200,6 +205,7 @@ def test_a_bad_mirror_blob_is_refused_and_downloaded_instead(
     name = "model-00002-of-00002.safetensors"
     damage(volume, name, how)
     hub.reset_counts()
+    caplog.clear()  # the first worker's (the mirror held nothing yet)
     with caplog.at_level(logging.WARNING):
         path = lp_hub.snapshot_download(REPO, cache_dir=tmp_path / "cache2")
     assert snapshot_bytes(path) == FILES
@@ -366,3 +372,299 @@ def test_a_broken_setting_falls_back_to_the_download(
         path = worker_one(hub, tmp_path)
     assert snapshot_bytes(path) == FILES
     assert any("LOADERPLUG_HYDRATE_WORKERS" in r.getMessage() for r in caplog.records)
+
+
+# -- mirrors written before huggingface_hub kept listings, and Hub outages -------------
+
+
+def make_legacy(volume: Path) -> bytes:
+    """Make the filled mirror one written before huggingface_hub 1.22: no trees/. Return
+    the listing huggingface_hub had written, byte for byte."""
+    trees = volume / "hub" / FOLDER / "trees"
+    (listing,) = trees.iterdir()
+    data = listing.read_bytes()
+    shutil.rmtree(trees)
+    return data
+
+
+def tree_requests(hub: HubServer) -> list[str]:
+    return [p for m, p in hub.requests if "/tree/" in p]
+
+
+def loaderplug_warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [
+        r.getMessage()
+        for r in caplog.records
+        if r.levelno == logging.WARNING and r.name.startswith("loaderplug")
+    ]
+
+
+def test_a_legacy_mirror_gets_its_listing_with_one_request_and_keeps_it(
+    hub: HubServer, tmp_path: Path, volume: Path
+) -> None:
+    sha = hub.add_repo(REPO, FILES)
+    worker_one(hub, tmp_path)
+    written = make_legacy(volume)
+    mirror = volume / "hub" / FOLDER
+    hub.reset_counts()
+    cache2 = tmp_path / "cache2"
+    path = lp_hub.snapshot_download(REPO, cache_dir=cache2)
+    # One request, the listing of the commit the mirror's ref names; no file from the Hub.
+    assert [m for m, _ in hub.requests] == ["GET"]
+    assert tree_requests(hub) == hub_paths(hub) and f"/tree/{sha}" in hub.requests[0][1]
+    assert hub.file_requests() == 0
+    assert path == str(cache2.resolve() / FOLDER / "snapshots" / sha)
+    assert snapshot_bytes(path) == FILES
+    # The listing is on the mirror, byte for byte what huggingface_hub itself wrote, and in
+    # the local cache; huggingface_hub reads both, and checks the snapshot offline by it.
+    assert (mirror / "trees" / f"{sha}.json").read_bytes() == written
+    assert (cache2.resolve() / FOLDER / "trees" / f"{sha}.json").read_bytes() == written
+    cached = huggingface_hub.get_cached_repo_tree(REPO, cache_dir=volume / "hub")
+    assert sorted(f.path for f in cached) == sorted(FILES)
+    assert original(REPO, cache_dir=cache2, local_files_only=True) == path
+    # The next worker needs no request at all.
+    hub.reset_counts()
+    again = lp_hub.snapshot_download(REPO, cache_dir=tmp_path / "cache3")
+    assert hub.requests == []
+    assert snapshot_bytes(again) == FILES
+
+
+def hub_paths(hub: HubServer) -> list[str]:
+    return [p for _, p in hub.requests]
+
+
+def test_a_legacy_mirror_missing_a_blob_downloads_it(
+    hub: HubServer, tmp_path: Path, volume: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    sha = hub.add_repo(REPO, FILES)
+    worker_one(hub, tmp_path)
+    written = make_legacy(volume)
+    name = "model-00002-of-00002.safetensors"
+    damage(volume, name, "missing")
+    hub.reset_counts()
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        path = lp_hub.snapshot_download(REPO, cache_dir=tmp_path / "cache2")
+    assert snapshot_bytes(path) == FILES
+    assert len(tree_requests(hub)) == 1  # loaderplug's; the original reads the listing
+    fetched = [p for m, p in hub.requests if "/resolve/" in p and m == "GET"]
+    assert len(fetched) == 1 and fetched[0].endswith(name)
+    (warning,) = loaderplug_warnings(caplog)
+    assert name in warning and "blob is not on the mirror" in warning
+    mirror = volume / "hub" / FOLDER
+    assert (mirror / "trees" / f"{sha}.json").read_bytes() == written
+    assert snapshot_bytes(mirror / "snapshots" / sha) == FILES  # the download filled it
+
+
+def test_a_listing_the_mirror_cannot_keep_goes_to_the_local_cache(
+    hub: HubServer,
+    tmp_path: Path,
+    volume: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from loaderplug.integrations import hub_mirror
+
+    sha = hub.add_repo(REPO, FILES)
+    worker_one(hub, tmp_path)
+    written = make_legacy(volume)
+    write_listing = hub_mirror.write_listing
+
+    def read_only_mirror(folder: Path, *args: Any, **kwargs: Any) -> bool:
+        if volume in folder.parents:
+            raise PermissionError(13, "Read-only file system", str(folder))
+        return write_listing(folder, *args, **kwargs)
+
+    monkeypatch.setattr(hub_mirror, "write_listing", read_only_mirror)
+    hub.reset_counts()
+    caplog.clear()
+    cache2 = tmp_path / "cache2"
+    with caplog.at_level(logging.WARNING):
+        path = lp_hub.snapshot_download(REPO, cache_dir=cache2)
+    assert len(hub.requests) == 1 and hub.file_requests() == 0
+    assert snapshot_bytes(path) == FILES
+    assert not (volume / "hub" / FOLDER / "trees").exists()
+    assert (cache2.resolve() / FOLDER / "trees" / f"{sha}.json").read_bytes() == written
+    (warning,) = loaderplug_warnings(caplog)
+    assert "could not be kept on the mirror" in warning and "Read-only" in warning
+
+
+def closed_port() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{s.getsockname()[1]}"
+
+
+def hub_out_of_reach(how: str, monkeypatch: pytest.MonkeyPatch) -> dict[str, object]:
+    """Make the Hub unreachable (``down``: nothing listens where it was) or forbidden
+    (``offline``: HF_HUB_OFFLINE=1; ``local_files_only``); the call's extra options."""
+    if how == "down":
+        endpoint = closed_port()
+        monkeypatch.setattr(constants, "ENDPOINT", endpoint)
+        monkeypatch.setattr(
+            constants,
+            "HUGGINGFACE_CO_URL_TEMPLATE",
+            endpoint + "/{repo_id}/resolve/{revision}/{filename}",
+        )
+        # huggingface_hub retries a refused connection 5 times over some 23 s: once will do.
+        from huggingface_hub.utils import http_backoff
+
+        monkeypatch.setitem(http_backoff.__kwdefaults__, "max_retries", 0)
+        return {}
+    if how == "offline":
+        monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+        monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+        return {}
+    return {"local_files_only": True}
+
+
+@pytest.mark.parametrize("how", ["down", "offline", "local_files_only"])
+@pytest.mark.parametrize("by", ["branch", "commit"])
+def test_a_legacy_mirror_serves_its_snapshot_when_the_hub_cannot_be_asked(
+    hub: HubServer,
+    tmp_path: Path,
+    volume: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    how: str,
+    by: str,
+) -> None:
+    sha = hub.add_repo(REPO, FILES)
+    worker_one(hub, tmp_path)
+    make_legacy(volume)
+    hub.reset_counts()
+    options = hub_out_of_reach(how, monkeypatch)
+    if by == "commit":
+        options["revision"] = sha
+    cache2 = tmp_path / "cache2"
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        path = lp_hub.snapshot_download(REPO, cache_dir=cache2, **options)
+    assert hub.requests == []
+    assert path == str(cache2.resolve() / FOLDER / "snapshots" / sha)
+    assert snapshot_bytes(path) == FILES
+    (warning,) = loaderplug_warnings(caplog)
+    assert "completeness was not checked" in warning and "no file listing" in warning
+    assert {"down": "could not be reached", "offline": "HF_HUB_OFFLINE"}.get(how, how) in warning
+    assert not (volume / "hub" / FOLDER / "trees").exists()  # nothing to keep
+    # As huggingface_hub serves its own cache offline: by the ref, without a listing.
+    if by == "branch":
+        assert (cache2 / FOLDER / "refs" / "main").read_text() == sha
+    assert original(REPO, cache_dir=cache2, local_files_only=True, revision=sha) == path
+    shard = Path(path, "model-00001-of-00002.safetensors")
+    assert os.readlink(shard) == "../../blobs/" + hashlib.sha256(FILES[shard.name]).hexdigest()
+
+
+def test_an_unchecked_snapshot_keeps_to_the_patterns_and_refuses_a_bad_blob(
+    hub: HubServer,
+    tmp_path: Path,
+    volume: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    hub.add_repo(REPO, FILES)
+    worker_one(hub, tmp_path)
+    make_legacy(volume)
+    bad = "model-00002-of-00002.safetensors"
+    damage(volume, bad, "corrupt")  # same size: only its hash tells
+    hub_out_of_reach("offline", monkeypatch)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        path = lp_hub.snapshot_download(
+            REPO, cache_dir=tmp_path / "cache2", ignore_patterns=["original/*"]
+        )
+    expected = {p: b for p, b in FILES.items() if p != bad and not p.startswith("original/")}
+    assert snapshot_bytes(path) == expected
+    (warning,) = loaderplug_warnings(caplog)
+    assert "completeness was not checked" in warning
+    assert f"left out 1 file(s) ({bad}: " in warning
+
+
+def test_a_legacy_mirror_fills_a_local_dir_offline(
+    hub: HubServer,
+    tmp_path: Path,
+    volume: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    hub.add_repo(REPO, FILES)
+    worker_one(hub, tmp_path)
+    make_legacy(volume)
+    with monkeypatch.context() as offline:
+        hub_out_of_reach("offline", offline)
+        target = tmp_path / "plain"
+        caplog.clear()
+        with caplog.at_level(logging.WARNING):
+            assert lp_hub.snapshot_download(REPO, local_dir=target) == str(target.resolve())
+    assert snapshot_bytes(target) == FILES
+    assert not any(p.is_symlink() for p in target.rglob("*"))
+    (warning,) = loaderplug_warnings(caplog)
+    assert "completeness was not checked" in warning
+    # Back online, huggingface_hub finds the files current: it downloads none of them.
+    hub.reset_counts()
+    original(REPO, local_dir=target)
+    assert [m for m, p in hub.requests if "/resolve/" in p and m == "GET"] == []
+
+
+def test_a_mirror_without_the_snapshot_leaves_an_offline_call_to_huggingface_hub(
+    hub: HubServer,
+    tmp_path: Path,
+    volume: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    sha = hub.add_repo(REPO, FILES)
+    worker_one(hub, tmp_path)
+    make_legacy(volume)
+    shutil.rmtree(volume / "hub" / FOLDER / "snapshots" / sha)
+    hub_out_of_reach("offline", monkeypatch)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING), pytest.raises(LocalEntryNotFoundError):
+        lp_hub.snapshot_download(REPO, cache_dir=tmp_path / "cache2")
+    (warning,) = loaderplug_warnings(caplog)
+    assert f"holds no snapshot of commit {sha}" in warning
+    assert "huggingface_hub's own cache answers" in warning
+
+
+def _unknown_format(volume: Path, sha: str) -> None:
+    listing = volume / "hub" / FOLDER / "trees" / f"{sha}.json"
+    data = json.loads(listing.read_text())
+    listing.write_text(json.dumps({**data, "format_version": 2}))
+
+
+@pytest.mark.parametrize(
+    ("case", "reason"),
+    [
+        ("empty", "holds no models--acme--tiny"),
+        ("other branch", "holds no ref 'dev' (refs/dev)"),
+        ("unknown listing format", "is of format 2, not 1"),
+        ("force_download", "force_download asks the Hub itself"),
+    ],
+)
+def test_a_skipped_mirror_says_why_at_warning(
+    hub: HubServer,
+    tmp_path: Path,
+    volume: Path,
+    caplog: pytest.LogCaptureFixture,
+    case: str,
+    reason: str,
+) -> None:
+    sha = hub.add_repo(REPO, FILES)
+    options: dict[str, object] = {}
+    if case != "empty":
+        worker_one(hub, tmp_path)
+    if case == "other branch":
+        hub.add_repo(REPO, FILES, branch="dev")
+        options["revision"] = "dev"
+    if case == "unknown listing format":
+        _unknown_format(volume, sha)
+    if case == "force_download":
+        options["force_download"] = True
+    hub.reset_counts()
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        path = lp_hub.snapshot_download(REPO, cache_dir=tmp_path / "cache2", **options)
+    assert snapshot_bytes(path) == FILES
+    assert hub.file_requests() > 0  # downloaded
+    (warning,) = loaderplug_warnings(caplog)
+    assert "not using the mirror" in warning and reason in warning, warning

@@ -54,7 +54,7 @@ def wait_until(condition: object, timeout_s: float = 30) -> None:
 def test_a_hydrate_of_a_mirror_whose_first_sync_was_killed_fails_and_publishes_nothing(
     model: Path, tmp_path: Path
 ) -> None:
-    mirror = tmp_path / "mirror"
+    mirror = tmp_path / "synced"
     proc = start_sync(model, mirror, 0.2)
     wait_until(lambda: mirror.exists() and leftover_temps(mirror))
     proc.kill()
@@ -71,7 +71,7 @@ def test_a_hydrate_of_a_mirror_whose_first_sync_was_killed_fails_and_publishes_n
 def test_a_resync_killed_over_an_older_one_is_refused_not_mixed(
     model: Path, tmp_path: Path
 ) -> None:
-    mirror, local = tmp_path / "mirror", tmp_path / "local"
+    mirror, local = tmp_path / "synced", tmp_path / "local"
     sync(model, mirror, **FAST)
     hydrate(mirror, local, **FAST)
     old = tree_bytes(local)
@@ -90,7 +90,7 @@ def test_a_resync_killed_over_an_older_one_is_refused_not_mixed(
 def test_a_hydrate_waits_for_a_live_sync_and_gets_its_whole_model(
     model: Path, tmp_path: Path
 ) -> None:
-    mirror = tmp_path / "mirror"
+    mirror = tmp_path / "synced"
     proc = start_sync(model, mirror, 0.05)
     wait_until(lambda: (mirror / MARK_NAME).exists())
     report = hydrate(mirror, tmp_path / "local", **FAST, **QUICK_MARKS)
@@ -105,7 +105,7 @@ def test_two_syncs_at_once_take_turns_and_the_manifest_matches_the_files(
 ) -> None:
     other = tmp_path / "other"
     write_model(other, 2 * MiB, shards=4, seed=3)
-    mirror = tmp_path / "mirror"
+    mirror = tmp_path / "synced"
     procs = [start_sync(model, mirror, 0.02), start_sync(other, mirror, 0.02)]
     for proc in procs:
         proc.communicate(timeout=120)
@@ -119,7 +119,7 @@ def test_two_syncs_at_once_take_turns_and_the_manifest_matches_the_files(
 
 
 def test_a_sync_that_fails_leaves_a_mark_hydrates_refuse_at_once(tmp_path: Path) -> None:
-    mirror = tmp_path / "mirror"
+    mirror = tmp_path / "synced"
     with pytest.raises(OSError), SyncMark(mirror, wait_s=1, stale_s=60):
         raise OSError(errno.EIO, "the volume went away")
     mark = read_mark(mirror / MARK_NAME)
@@ -129,7 +129,7 @@ def test_a_sync_that_fails_leaves_a_mark_hydrates_refuse_at_once(tmp_path: Path)
 
 
 def test_a_dead_syncers_mark_is_taken_over_and_a_live_one_waited_for(tmp_path: Path) -> None:
-    mirror = tmp_path / "mirror"
+    mirror = tmp_path / "synced"
     mirror.mkdir()
     (mirror / MARK_NAME).write_text('{"host": "gone", "pid": 1, "started": "then"}')
     stale = time.time() - 120
