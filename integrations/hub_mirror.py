@@ -11,6 +11,9 @@
 The listing is what makes a mirror trustworthy: it names every file of the commit with
 its size and etag, so a hydrate knows whether the mirror holds everything a call's
 patterns select, and refuses a blob whose size or content does not match its name.
+A mirror written before huggingface_hub kept listings has none: :func:`write_listing`
+adds one (fetched by the caller) in huggingface_hub's own format, and
+:func:`snapshot_selection` reads what a snapshot's links hold where no listing can be had.
 Blobs are copied by the range engine (:func:`loaderplug.transfers.select`), their hashes
 checked in the same pass (:mod:`loaderplug.digest`) before they are published, and the
 snapshot links follow them; a ref is written last, so a reader that finds it finds the
@@ -24,6 +27,7 @@ import logging
 import os
 import re
 import secrets
+import stat
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,13 +37,14 @@ from loaderplug.errors import MirrorError
 from loaderplug.report import TransferReport
 from loaderplug.settings import Settings
 from loaderplug.transfers import select
-from loaderplug.tree import path_problem
+from loaderplug.tree import is_own_name, path_problem
 
 # The formats huggingface_hub writes (pure data: this module never imports huggingface_hub).
 from .upstream.huggingface_hub import LISTING_FORMAT, LOCAL_DIR_META
 
 COMMIT = re.compile(r"^[0-9a-f]{40}$")
 SHA256 = re.compile(r"^[0-9a-f]{64}$")
+XET_HASH = re.compile(r"^[0-9a-fA-F]{64}$")  # huggingface_hub's check before it writes one
 log = logging.getLogger(__name__)
 
 
@@ -68,13 +73,30 @@ def listing_rel(commit: str) -> str:
     return f"trees/{commit}.json"
 
 
-def read_listing(folder: Path, commit: str) -> dict[str, RepoFile] | None:
-    """Every file of ``commit`` from the folder's ``trees/<commit>.json``, or None when
-    there is no usable listing (absent, unreadable, or of an unknown format)."""
+NO_LISTING = "it holds no file listing of the commit"
+
+
+def inspect_listing(folder: Path, commit: str) -> tuple[dict[str, RepoFile] | None, str]:
+    """Every file of ``commit`` from the folder's ``trees/<commit>.json`` and "", or None
+    and why not: :data:`NO_LISTING` where there is none, else what is wrong with it."""
+    rel = listing_rel(commit)
     try:
-        data = json.loads((folder / listing_rel(commit)).read_text(encoding="utf-8"))
-        if data.get("format_version") != LISTING_FORMAT:
-            return None
+        data = json.loads((folder / rel).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return None, NO_LISTING
+    except (OSError, ValueError) as exc:
+        return None, f"its listing {rel} cannot be read ({exc})"
+    files, problem = parse_listing(data)
+    return files, (f"its listing {rel} {problem}" if problem else "")
+
+
+def parse_listing(data: object) -> tuple[dict[str, RepoFile] | None, str]:
+    """The files of a listing in huggingface_hub's format (``{"format_version": 1,
+    "files": {path: entry}}``) and "", or None and what is wrong with it."""
+    try:
+        if not isinstance(data, dict) or data.get("format_version") != LISTING_FORMAT:
+            version = data.get("format_version") if isinstance(data, dict) else None
+            return None, f"is of format {version!r}, not {LISTING_FORMAT}"
         files = {}
         for path, entry in data["files"].items():
             # The blob is named by the ETag the Hub serves: the LFS sha256, else the git
@@ -84,12 +106,68 @@ def read_listing(folder: Path, commit: str) -> dict[str, RepoFile] | None:
             if path_problem(path) or not (SHA256.match(blob) or COMMIT.match(blob)):
                 # A listing that names a path outside the snapshot, or a blob that is not
                 # a hash, was not written by huggingface_hub: the mirror is not trusted.
-                log.warning("%s: refusing a listing entry %r -> %r", folder, path, blob)
-                return None
+                return None, f"names {path!r} -> {blob!r}, which huggingface_hub never writes"
             files[path] = RepoFile(path, blob, int(size))
-        return files
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        return None
+        return files, ""
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        return None, f"is malformed ({type(exc).__name__}: {exc})"
+
+
+def read_listing(folder: Path, commit: str) -> dict[str, RepoFile] | None:
+    """Every file of ``commit`` from the folder's ``trees/<commit>.json``, or None when
+    there is no usable listing (absent, unreadable, or of an unknown format)."""
+    files, problem = inspect_listing(folder, commit)
+    if files is None and problem != NO_LISTING:
+        log.warning("%s: refusing the listing of commit %s: %s", folder, commit, problem)
+    return files
+
+
+def listing_entry(
+    size: int,
+    blob_id: str,
+    lfs_sha256: str | None = None,
+    lfs_size: int | None = None,
+    xet_hash: str | None = None,
+) -> dict[str, object]:
+    """One file's entry of ``trees/<commit>.json``, as huggingface_hub writes it (its keys
+    in its order: the listing is byte for byte what huggingface_hub would have written)."""
+    entry: dict[str, object] = {"size": size, "blob_id": blob_id}
+    if lfs_sha256 is not None:
+        entry["lfs_sha256"] = lfs_sha256
+        entry["lfs_size"] = lfs_size
+    if xet_hash is not None:
+        entry["xet_hash"] = xet_hash
+    return entry
+
+
+def write_listing(
+    folder: Path, commit: str, entries: dict[str, dict[str, object]], *, fsync: bool = True
+) -> bool:
+    """Write ``trees/<commit>.json`` into ``folder`` as huggingface_hub writes it (sorted
+    paths, ``indent=1``), atomically: a reader finds the old file, none, or the whole new
+    one. False (nothing written) where an entry's Xet hash is not one, as huggingface_hub
+    itself then writes nothing; ``OSError`` where the folder cannot take it."""
+    if any(
+        e.get("xet_hash") is not None and not XET_HASH.match(str(e["xet_hash"]))
+        for e in entries.values()
+    ):
+        return False
+    data = {"format_version": LISTING_FORMAT, "files": {p: entries[p] for p in sorted(entries)}}
+    path = folder / listing_rel(commit)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # Not a loaderplug temp name: a copy running under the folder's lock sweeps those.
+    temp = path.with_name(f".{path.name}.{secrets.token_hex(6)}.listing")
+    try:
+        with open(temp, "w", encoding="utf-8") as f:
+            json.dump(data, f, indent=1)
+            if fsync:
+                f.flush()
+                os.fsync(f.fileno())
+        os.replace(temp, path)
+    except BaseException:
+        temp.unlink(missing_ok=True)
+        raise
+    return True
 
 
 def link_target(path: str, blob: str) -> str:
@@ -148,14 +226,60 @@ def check_selection(
     return selection
 
 
+def snapshot_selection(
+    folder: Path, commit: str, choose: Callable[[Iterable[str]], Iterable[str]]
+) -> Selection:
+    """What the folder's ``snapshots/<commit>/`` holds of the paths ``choose`` keeps, for a
+    folder with no listing of the commit (written before huggingface_hub kept one): each
+    link into the folder's ``blobs/`` whose blob is there, at the blob's size. Nothing
+    says the snapshot is complete; a blob named by a hash is still checked as it is
+    copied. A regular file, a link elsewhere or a missing blob is refused."""
+    root = folder / "snapshots" / commit
+    found: dict[str, Path] = {}
+    for dirpath, _dirs, names in os.walk(root):
+        for name in names:
+            if is_own_name(name):
+                continue
+            where = Path(dirpath, name)
+            found[where.relative_to(root).as_posix()] = where
+    blobs = os.path.normpath(os.path.abspath(folder / "blobs"))
+    selection = Selection(commit, [], {})
+    for path in choose(sorted(found)):
+        where = found[path]
+        problem = path_problem(path)
+        if problem:
+            selection.refused[path] = problem
+            continue
+        if not where.is_symlink():
+            selection.refused[path] = "it is not a link to a blob on the mirror"
+            continue
+        target = os.path.normpath(os.path.join(os.path.abspath(where.parent), os.readlink(where)))
+        blob = os.path.basename(target)
+        if os.path.dirname(target) != blobs or not (SHA256.match(blob) or COMMIT.match(blob)):
+            selection.refused[path] = f"its link points at {os.readlink(where)}, not at a blob"
+            continue
+        try:
+            st = os.stat(target)
+        except OSError:
+            selection.refused[path] = "its blob is not on the mirror"
+            continue
+        if not stat.S_ISREG(st.st_mode):
+            selection.refused[path] = "its blob on the mirror is not a file"
+            continue
+        selection.usable.append(RepoFile(path, blob, st.st_size))
+    return selection
+
+
 def hydrate_cache(
-    mirror: Path, local: Path, selection: Selection, settings: Settings
+    mirror: Path, local: Path, selection: Selection, settings: Settings, *, listing: bool = True
 ) -> TransferReport:
     """Copy the selection into the cache folder ``local`` (Hub layout): blobs, verified
-    before they are published, the listing, and the snapshot links to what landed."""
+    before they are published, the listing (unless ``listing`` is False: the mirror has
+    none), and the snapshot links to what landed."""
     files = {f"blobs/{f.blob}": f"blobs/{f.blob}" for f in selection.usable}
-    rel = listing_rel(selection.commit)
-    files[rel] = rel
+    if listing:
+        rel = listing_rel(selection.commit)
+        files[rel] = rel
     links = {
         f"snapshots/{selection.commit}/{f.path}": link_target(f.path, f.blob)
         for f in selection.usable
@@ -165,13 +289,20 @@ def hydrate_cache(
 
 
 def hydrate_local_dir(
-    mirror: Path, local_dir: Path, selection: Selection, settings: Settings
+    mirror: Path,
+    local_dir: Path,
+    selection: Selection,
+    settings: Settings,
+    *,
+    listing: bool = True,
 ) -> TransferReport:
     """Copy the selection into ``local_dir`` as plain files at their repo paths, with the
-    listing where huggingface_hub keeps it for a ``local_dir`` download."""
+    listing (unless ``listing`` is False) where huggingface_hub keeps it for a
+    ``local_dir`` download."""
     files = {f.path: f"blobs/{f.blob}" for f in selection.usable}
-    rel = listing_rel(selection.commit)
-    files[f"{LOCAL_DIR_META}/{rel}"] = rel
+    if listing:
+        rel = listing_rel(selection.commit)
+        files[f"{LOCAL_DIR_META}/{rel}"] = rel
 
     # The lock goes with huggingface_hub's own bookkeeping, not among the user's files.
     return select(

@@ -2,15 +2,19 @@
 
 It alone owns what every job shares:
 
-1. the destination's lock, and sweeping the temp files a killed run left there;
-2. listing the source (under the lock: a job that waited sees what the other left);
-3. the current-file rule (:func:`~loaderplug.sinks.is_current_copy`): a copy that is
+1. the destination's check (a folder, not a file) and locks; a destination that takes
+   no lock (read-only) is fine while nothing there needs writing;
+2. the plan's ``around`` context (a sync's mark on the mirror);
+3. listing the source (under the lock: a job that waited sees what the other left);
+4. the current-file rule (:func:`~loaderplug.sinks.is_current_copy`): a copy that is
    current is skipped, or, when the job loads tensors, read locally instead of from the
    source;
-4. the IO policy of every file, its sinks (a :class:`~loaderplug.sinks.FileSink` for a
-   copy, the plan's tensor sink for a load) and, for a load, its header;
-5. the engine's run, with a progress bar, and the tensors it hands over;
-6. symlinks, refusals, the plan's ``finish`` step, every observer call, and the report.
+5. resuming what a killed run left (:mod:`loaderplug.partial`), and sweeping the rest;
+6. the IO policy of every file, its sinks (a :class:`~loaderplug.sinks.FileSink` for a
+   copy, a :class:`~loaderplug.digest.DigestSink` where the plan expects a hash, the
+   plan's tensor sink for a load) and, for a load, its header;
+7. the engine's run, with a progress bar, and the tensors it hands over;
+8. symlinks, refusals, the plan's ``finish`` step, every observer call, and the report.
 
 A load's lock is let go as soon as nothing is left to publish, so ranks that find the
 local copy current read it side by side.

@@ -52,6 +52,23 @@ TREE_CACHE_FORMAT_VERSION = Symbol(
     "the format of trees/<commit>.json, the file listing the mirror reads and copies",
     value=LISTING_FORMAT,
 )
+# What stock snapshot_download (this module's, as it catches them) takes for the Hub being
+# unreachable, and so serves its own cache instead; a proxy error it raises.
+CONNECT_ERROR = Symbol(
+    "huggingface_hub._snapshot_download",
+    "httpx2.ConnectError",
+    "a mirror snapshot without a listing is served unchecked when the Hub cannot be reached",
+)
+TIMEOUT_ERROR = Symbol(
+    "huggingface_hub._snapshot_download",
+    "httpx2.TimeoutException",
+    "a mirror snapshot without a listing is served unchecked when the Hub times out",
+)
+PROXY_ERROR = Symbol(
+    "huggingface_hub._snapshot_download",
+    "httpx2.ProxyError",
+    "a proxy error is not taken for an outage (stock snapshot_download raises it)",
+)
 # Public API, recorded with the versions it was checked in.
 PUBLIC_SNAPSHOT_DOWNLOAD = Symbol(
     "huggingface_hub",
@@ -83,6 +100,50 @@ HF_HUB_OFFLINE = Symbol(
     "an offline download is not copied to the mirror",
     public=True,
 )
+LIST_REPO_TREE = Symbol(
+    "huggingface_hub",
+    "HfApi.list_repo_tree",
+    "the listing of a commit a mirror written before the listing existed lacks (one call)",
+    public=True,
+)
+REPO_FILE_FIELDS = tuple(
+    Symbol(
+        "huggingface_hub.hf_api",
+        f"RepoFile.{field}",
+        "a listing entry, as huggingface_hub writes it to trees/<commit>.json",
+        public=True,
+        instance=True,
+    )
+    for field in ("path", "size", "blob_id", "lfs", "xet_hash")
+)
+BLOB_LFS_FIELDS = tuple(
+    Symbol(
+        "huggingface_hub.hf_api",
+        f"BlobLfsInfo.{field}",
+        "the LFS part of a listing entry (lfs_sha256, lfs_size)",
+        public=True,
+        instance=True,
+    )
+    for field in ("sha256", "size")
+)
+OFFLINE_MODE_IS_ENABLED = Symbol(
+    "huggingface_hub.errors",
+    "OfflineModeIsEnabled",
+    "a request refused by HF_HUB_OFFLINE: the Hub is taken as unreachable",
+    public=True,
+)
+HF_HUB_HTTP_ERROR = Symbol(
+    "huggingface_hub.errors",
+    "HfHubHTTPError",
+    "the Hub answered the listing request with an error: served unchecked, as stock does",
+    public=True,
+)
+REVISION_NOT_FOUND_ERROR = Symbol(
+    "huggingface_hub.errors",
+    "RevisionNotFoundError",
+    "the Hub says the mirror's commit does not exist: the mirror is not used",
+    public=True,
+)
 RESOLVED_REVISION = Symbol(
     "huggingface_hub",
     "ResolvedRevision.resolved",
@@ -102,6 +163,15 @@ SYMBOLS = (
     HF_HUB_CACHE,
     HF_HUB_OFFLINE,
     RESOLVED_REVISION,
+    CONNECT_ERROR,
+    TIMEOUT_ERROR,
+    PROXY_ERROR,
+    LIST_REPO_TREE,
+    *REPO_FILE_FIELDS,
+    *BLOB_LFS_FIELDS,
+    OFFLINE_MODE_IS_ENABLED,
+    HF_HUB_HTTP_ERROR,
+    REVISION_NOT_FOUND_ERROR,
 )
 UPSTREAM = Upstream("huggingface_hub", OLDEST, NEWEST_CHECKED, SYMBOLS)
 
@@ -129,3 +199,27 @@ def write_download_metadata() -> Callable[[Path, str, str, str], None]:
 def repo_folder_name() -> Callable[..., str]:
     """``repo_folder_name(*, repo_id, repo_type)``."""
     return cast("Callable[..., str]", UPSTREAM.get(REPO_FOLDER_NAME))
+
+
+def unreachable_errors() -> tuple[type[BaseException], ...]:
+    """What stock ``snapshot_download`` takes for the Hub being out of reach (it then serves
+    its own cache): a refused or failed connection, a timeout, ``HF_HUB_OFFLINE``."""
+    return (
+        cast("type[BaseException]", UPSTREAM.get(CONNECT_ERROR)),
+        cast("type[BaseException]", UPSTREAM.get(TIMEOUT_ERROR)),
+        cast("type[BaseException]", UPSTREAM.get(OFFLINE_MODE_IS_ENABLED)),
+    )
+
+
+def proxy_error() -> type[BaseException]:
+    """A proxy that refused the request: stock ``snapshot_download`` raises it."""
+    return cast("type[BaseException]", UPSTREAM.get(PROXY_ERROR))
+
+
+def revision_not_found_error() -> type[BaseException]:
+    return cast("type[BaseException]", UPSTREAM.get(REVISION_NOT_FOUND_ERROR))
+
+
+def hub_http_error() -> type[BaseException]:
+    """Any error answer of the Hub (a 5xx, a 401, a gated or unknown repo)."""
+    return cast("type[BaseException]", UPSTREAM.get(HF_HUB_HTTP_ERROR))
