@@ -13,6 +13,9 @@ three contenders, each in its own process, alternating round by round:
                              the mirror, no request to the server (checked)
 * huggingface_hub, mirror    ``HF_HUB_CACHE=<mount>/hub HF_HUB_OFFLINE=1``,
   as cache                   ``snapshot_download(repo)``: the path on the mount
+* plain hydrate              ``loaderplug.hydrate(<mount>/hub/models--org--name, <empty>)``:
+                             the same files copied with no hash check, the yardstick for
+                             worker 2, which hashes every blob as it copies it
 
 ``call s`` is the ``snapshot_download`` call; ``usable s`` adds one sequential read of
 every file of the returned snapshot in 16 MiB blocks, one file after another (what a
@@ -50,7 +53,8 @@ BLOCK = 16 * MiB
 HUB = "worker 1: Hub download"
 LOADERPLUG = "worker 2: loaderplug from the mirror"
 MOUNT = "huggingface_hub, mirror as cache"
-NAMES = [HUB, LOADERPLUG, MOUNT]
+PLAIN = "plain loaderplug hydrate of the repo folder"
+NAMES = [HUB, LOADERPLUG, MOUNT, PLAIN]
 
 
 def read_snapshot(folder: str) -> tuple[int, int]:
@@ -72,17 +76,31 @@ def read_snapshot(folder: str) -> tuple[int, int]:
 
 def child(name: str, repo: str, cache_dir: str) -> dict[str, object]:
     """One contender's run, timed from just before the call (imports excluded)."""
-    if name == LOADERPLUG:
-        from loaderplug.integrations.huggingface_hub import snapshot_download
+    if name == PLAIN:
+        from loaderplug import hydrate
+
+        folder = "models--" + repo.replace("/", "--")
+        started = time.perf_counter()
+        hydrate(os.path.join(os.environ["BENCH_MIRROR"], folder), os.path.join(cache_dir, folder))
+        path = max(Path(cache_dir, folder, "snapshots").iterdir())  # the one commit
     else:
-        from huggingface_hub import snapshot_download
-    kwargs = {"cache_dir": cache_dir} if cache_dir else {}
-    started = time.perf_counter()
-    path = snapshot_download(repo, **kwargs)
+        if name == LOADERPLUG:
+            from loaderplug.integrations.huggingface_hub import snapshot_download
+        else:
+            from huggingface_hub import snapshot_download
+        kwargs = {"cache_dir": cache_dir} if cache_dir else {}
+        started = time.perf_counter()
+        path = snapshot_download(repo, **kwargs)
     call = time.perf_counter() - started
     nbytes, nfiles = read_snapshot(path)
     usable = time.perf_counter() - started
-    return {"call_s": call, "usable_s": usable, "bytes": nbytes, "files": nfiles, "path": path}
+    return {
+        "call_s": call,
+        "usable_s": usable,
+        "bytes": nbytes,
+        "files": nfiles,
+        "path": str(path),
+    }
 
 
 def check_mirror(mirror: Path, sha: str, src: Path, names: list[str]) -> None:
@@ -105,9 +123,11 @@ def table(results: dict[str, list[dict]], total: int) -> str:
     speed = {n: total / MiB / usable[n] for n in NAMES}
     lines = [
         "| contender | call s (median) | usable s (median) | min-max (usable) | MiB/s (usable) "
-        "| x Hub download | x mirror as cache | Hub file requests | peak RSS |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| x Hub download | x mirror as cache | call x plain hydrate | Hub file requests "
+        "| peak RSS |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
+    call = {n: statistics.median(r["call_s"] for r in results[n]) for n in NAMES}
     for n in NAMES:
         runs = results[n]
         times = [r["usable_s"] for r in runs]
@@ -115,7 +135,7 @@ def table(results: dict[str, list[dict]], total: int) -> str:
             f"| {n} | {statistics.median(r['call_s'] for r in runs):.2f} | {usable[n]:.2f} | "
             f"{min(times):.2f}-{max(times):.2f} | {speed[n]:.0f} | "
             f"{speed[n] / speed[HUB]:.2f} | {speed[n] / speed[MOUNT]:.2f} | "
-            f"{spread([r['file_requests'] for r in runs])} | "
+            f"{call[PLAIN] / call[n]:.2f} | {spread([r['file_requests'] for r in runs])} | "
             f"{max(r['rss'] for r in runs) / MiB:.0f} MiB |"
         )
     return "\n".join(lines)
@@ -194,10 +214,11 @@ def bench(args: argparse.Namespace) -> None:
             HUB: (work / "cache-hub", {}, work / "cache-hub"),
             LOADERPLUG: (work / "cache-lp", {"LOADERPLUG_VOLUME": str(mnt)}, work / "cache-lp"),
             MOUNT: (None, {"HF_HUB_CACHE": str(mnt / "hub"), "HF_HUB_OFFLINE": "1"}, mnt),
+            PLAIN: (work / "cache-plain", {"BENCH_MIRROR": str(mnt / "hub")}, work / "cache-plain"),
         }
         with mounted(backing, mnt, PROFILE):
             for round_ in range(rounds):
-                for name in NAMES[round_ % 3 :] + NAMES[: round_ % 3]:
+                for name in NAMES[round_ % len(NAMES) :] + NAMES[: round_ % len(NAMES)]:
                     cache, extra, inside = contenders[name]
                     figures = run(name, cache, extra)
                     if name != HUB and figures["requests"]:
@@ -231,7 +252,9 @@ def bench(args: argparse.Namespace) -> None:
         f"mount and `HF_HUB_OFFLINE=1`. {rounds} round(s), alternating; wall time inside "
         f"each process (imports excluded): call s is the snapshot_download call, usable s "
         f"adds one sequential read of every file of the returned snapshot in 16 MiB blocks. "
-        f"x columns: usable MiB/s over that contender's. Hub file requests: HEAD and GET "
+        f"Plain hydrate: `loaderplug.hydrate` of the mirror's repo folder (the same files, no "
+        f"hash check). x columns: usable MiB/s over that contender's; call x plain hydrate: "
+        f"the plain hydrate's call time over this one's. Hub file requests: HEAD and GET "
         f"to `/resolve/` per run. Command: "
         f"`python benchmarks/hub_bench.py{' --quick' if args.quick else ''}`.\n\n"
     )

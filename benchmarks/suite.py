@@ -92,6 +92,20 @@ BENCHES = (
         "seconds, median (lower is better)",
         ("--rounds", "2"),
     ),
+    Bench(
+        "scale",
+        "scale_bench.py",
+        "peak RSS",
+        "Peak RSS of one process as the model grows (each tensor dropped once used)",
+        "MiB (lower is better)",
+    ),
+    Bench(
+        "crash",
+        "crash_bench.py",
+        "rerun completed, nothing left",
+        "kill -9 at random points: reruns that completed and left nothing behind",
+        "trials (higher is better)",
+    ),
 )
 
 

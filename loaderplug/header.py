@@ -23,6 +23,11 @@ enforces them:
   very end: no gaps, no overlaps, no bytes left over. Each holds exactly the bytes its
   shape needs: the element count (a running product of the dimensions) and its size in
   bits stay below 2**64, and the bits make whole bytes.
+
+What torch cannot hold (a dtype it lacks, such as ``F6_E2M3``; ``F4`` with an odd last
+dimension; a dimension past 2**63 - 1) is refused as ``safetensors.torch`` refuses it,
+when tensors are made (:func:`loaderplug.tensor_sinks.torch_dtypes`), not here: such a
+file is a valid safetensors file, and a hydrate copies it.
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ import json
 import re
 import reprlib
 import struct
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from loaderplug.dtypes import DTYPES
@@ -104,31 +109,44 @@ def parse_header(path: str, raw: bytes, file_size: int) -> Header:
     """Validate the JSON header ``raw`` (without its 8-byte length) of a ``file_size`` file."""
     data_start = LENGTH_BYTES + len(raw)
     doc = _json(path, raw)
-    if not isinstance(doc, _Object):
-        raise FormatError(f"{path}: header is {_kind(doc)}, expected a JSON object")
-    metadata: dict[str, str] | None = None
-    entries: dict[str, tuple[str, tuple[int, ...], int, int]] = {}
-    for key, value in doc.pairs:
+    if not isinstance(doc, (dict, _Pairs)):
+        raise FormatError(f"{path}: header is {type(doc).__name__}, expected a JSON object")
+    metadata: dict[str, str] = {}
+    seen_metadata = False
+    entries: dict[str, _Entry] = {}
+    for key, value in _items(doc):
         if key != "__metadata__":
-            entries[key] = _entry(f"{path}: tensor {key!r}", value)  # the last one counts
-        elif metadata is None:
-            metadata = _metadata(path, value)
-        else:
+            entries[key] = _entry(path, key, value)  # each is checked; the last one counts
+        elif seen_metadata:
             raise FormatError(f"{path}: __metadata__ appears twice")
+        else:
+            seen_metadata = True
+            metadata = _metadata(path, value)
     tensors = _layout(path, entries, data_start, file_size - data_start)
-    return Header(path, file_size, data_start, tensors, metadata or {})
+    return Header(path, file_size, data_start, tensors, metadata)
 
 
 # -- JSON, as strict as serde_json -------------------------------------------------------
+#
+# An object decodes to a dict, or where a key repeats to its pairs in order (serde reads
+# each one, where Python's json keeps the last); an array to a list.
+
+_Entry = tuple[str, tuple[int, ...], int, int]  # dtype, shape, begin, end (in the data area)
 
 
-class _Object:
-    """A JSON object as its pairs, in order, repeated keys kept: serde reads each."""
+class _Pairs(tuple[tuple[str, object], ...]):
+    """A JSON object with a repeated key: its ``(key, value)`` pairs, in order."""
 
-    __slots__ = ("pairs",)
+    __slots__ = ()
 
-    def __init__(self, pairs: list[tuple[str, object]]) -> None:
-        self.pairs = pairs
+
+def _object(pairs: list[tuple[str, object]]) -> dict[str, object] | _Pairs:
+    obj = dict(pairs)
+    return obj if len(obj) == len(pairs) else _Pairs(pairs)
+
+
+def _items(obj: dict[str, object] | _Pairs) -> Iterable[tuple[str, object]]:
+    return obj.items() if isinstance(obj, dict) else obj
 
 
 class _Refused(Exception):
@@ -143,7 +161,7 @@ def _float(text: str) -> float:
 
 
 def _int(text: str) -> int | float:
-    # serde_json reads an integer beyond i64/u64 (and -0) as a float; Python's int() would
+    # serde_json reads -0, and an integer beyond i64/u64, as a float; Python's int() would
     # refuse a long one (its digit limit), so it is never asked.
     if len(text) > 20 or text == "-0":
         return _float(text)
@@ -155,9 +173,18 @@ def _constant(text: str) -> object:
     raise _Refused(f"{text} is not JSON")
 
 
-_DECODER = json.JSONDecoder(
-    object_pairs_hook=_Object, parse_int=_int, parse_float=_float, parse_constant=_constant
+# Python reads -0 as the integer 0, serde_json as a float: where the text may hold one,
+# the integers are read as serde reads them. Elsewhere plain int() does: an integer past
+# u64 is refused as a shape or offset all the same, and one past a float's range (serde:
+# "number out of range") is refused where it is not read (see _check_nested) or, past
+# Python's digit limit, by int() itself.
+_NEGATIVE_ZERO = re.compile(r"-0(?![.eE0-9])")
+_DECODER = json.JSONDecoder(object_pairs_hook=_object, parse_float=_float, parse_constant=_constant)
+_SERDE_INT_DECODER = json.JSONDecoder(
+    object_pairs_hook=_object, parse_int=_int, parse_float=_float, parse_constant=_constant
 )
+# An integer this long may be past a float's range; float() tells.
+_LONG_INT_BITS = 1000
 
 
 def _json(path: str, raw: bytes) -> object:
@@ -165,50 +192,67 @@ def _json(path: str, raw: bytes) -> object:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise FormatError(f"{path}: header is not valid UTF-8 ({exc})") from exc
+    decoder = _SERDE_INT_DECODER if _NEGATIVE_ZERO.search(text) else _DECODER
     try:
-        doc = _DECODER.decode(text)
-    except json.JSONDecodeError as exc:
+        doc = decoder.decode(text)
+    except (json.JSONDecodeError, _Refused) as exc:
         raise FormatError(f"{path}: header is not valid JSON ({exc})") from exc
-    except _Refused as exc:
-        raise FormatError(f"{path}: header is not valid JSON ({exc})") from exc
+    except ValueError as exc:  # int()'s digit limit: far past a float's range
+        raise FormatError(f"{path}: header is not valid JSON (a number out of range)") from exc
     except RecursionError as exc:
-        raise FormatError(
-            f"{path}: header JSON nests deeper than the {MAX_DEPTH} levels safetensors reads"
-        ) from exc
-    _check_values(path, doc, surrogates=_SURROGATE_ESCAPE.search(text) is not None)
+        raise _too_deep(path) from exc
+    if _SURROGATE_ESCAPE.search(text):
+        _check_nested(path, doc, 1, strings=True)
     return doc
 
 
-def _check_values(path: str, doc: object, *, surrogates: bool) -> None:
-    """Depth and lone surrogates, everywhere (serde reads ignored fields too)."""
-    stack: list[tuple[object, int]] = [(doc, 1)]
-    while stack:
-        value, depth = stack.pop()
-        if isinstance(value, str):
-            if _SURROGATE.search(value):
-                raise FormatError(
-                    f"{path}: header JSON has a lone surrogate escape in {reprlib.repr(value)}"
-                )
-            continue
-        if isinstance(value, _Object):
-            children: list[object] = [v for pair in value.pairs for v in pair]
-        elif isinstance(value, list):
-            children = value
-        else:
-            continue
-        if depth > MAX_DEPTH:
-            raise FormatError(
-                f"{path}: header JSON nests deeper than the {MAX_DEPTH} levels safetensors reads"
-            )
-        stack.extend(
-            (v, depth + 1)
-            for v in children
-            if isinstance(v, (_Object, list)) or (surrogates and isinstance(v, str))
+def _too_deep(path: str) -> FormatError:
+    return FormatError(
+        f"{path}: header JSON nests deeper than the {MAX_DEPTH} levels safetensors reads"
+    )
+
+
+def _check_nested(path: str, value: object, depth: int, *, strings: bool = False) -> None:
+    """What serde refuses in a value it reads but does not use: containers nested deeper
+    than it reads (``value`` being at ``depth``), integers past a float's range and, with
+    ``strings``, lone surrogates. Level by level, without recursion."""
+    level = [value]
+    while level:
+        below: list[object] = []
+        for item in level:
+            if isinstance(item, (dict, _Pairs, list)):
+                if depth > MAX_DEPTH:
+                    raise _too_deep(path)
+                if isinstance(item, list):
+                    below.extend(item)
+                    continue
+                for k, v in _items(item):
+                    if strings:
+                        _check_string(path, k)
+                    below.append(v)
+            elif isinstance(item, int) and item.bit_length() > _LONG_INT_BITS:
+                try:
+                    float(item)
+                except OverflowError:
+                    raise FormatError(
+                        f"{path}: header is not valid JSON (number {_show(item)} is out of "
+                        f"range of a 64-bit float)"
+                    ) from None
+            elif strings and isinstance(item, str):
+                _check_string(path, item)
+        level = below
+        depth += 1
+
+
+def _check_string(path: str, value: str) -> None:
+    if _SURROGATE.search(value):
+        raise FormatError(
+            f"{path}: header JSON has a lone surrogate escape in {reprlib.repr(value)}"
         )
 
 
 def _kind(value: object) -> str:
-    if isinstance(value, _Object):
+    if isinstance(value, (dict, _Pairs)):
         return "an object"
     if isinstance(value, list):
         return "an array"
@@ -222,89 +266,118 @@ def _kind(value: object) -> str:
 
 
 class _Show(reprlib.Repr):
-    """Short reprs of header values for messages: a hostile one may be huge."""
+    """Short reprs of header values for messages, as JSON: a hostile one may be huge."""
 
     def __init__(self) -> None:
         super().__init__()
         self.maxlist = self.maxdict = 8
         self.maxlong = self.maxstring = self.maxother = 40
 
-    def repr__Object(self, obj: _Object, level: int) -> str:
+    def repr_dict(self, obj: dict[str, object], level: int) -> str:
+        return self._object(list(obj.items()), level)
+
+    def repr__Pairs(self, obj: _Pairs, level: int) -> str:
+        return self._object(list(obj), level)
+
+    def _object(self, pairs: list[tuple[str, object]], level: int) -> str:
         if level <= 0:
             return "{...}"
-        shown = [f"{self.repr1(k, level - 1)}: {self.repr1(v, level - 1)}" for k, v in obj.pairs]
+        shown = [f"{self.repr1(k, level - 1)}: {self.repr1(v, level - 1)}" for k, v in pairs]
         more = ", ..." if len(shown) > self.maxdict else ""
         return "{" + ", ".join(shown[: self.maxdict]) + more + "}"
+
+    def repr_str(self, obj: str, level: int) -> str:
+        return json.dumps(obj) if len(obj) <= self.maxstring else super().repr_str(obj, level)
+
+    def repr_bool(self, obj: bool, level: int) -> str:
+        return "true" if obj else "false"
+
+    def repr_NoneType(self, obj: None, level: int) -> str:
+        return "null"
 
 
 _show = _Show().repr
 
 
-def _usize(value: object) -> bool:
-    return type(value) is int and 0 <= value <= USIZE_MAX
+def _usizes(values: list[object]) -> bool:
+    """All integers in ``[0, 2**64)`` (Rust's usize), no booleans."""
+    return all(type(v) is int and 0 <= v <= USIZE_MAX for v in values)
 
 
 # -- the tensors -------------------------------------------------------------------------
 
 
-def _metadata(path: str, value: object) -> dict[str, str] | None:
+def _metadata(path: str, value: object) -> dict[str, str]:
     if value is None:
-        return None
-    if not isinstance(value, _Object):
+        return {}
+    if not isinstance(value, (dict, _Pairs)):
         raise FormatError(f"{path}: __metadata__ is {_kind(value)}, expected an object")
-    for key, v in value.pairs:
+    metadata = {}
+    for key, v in _items(value):  # a key repeated: the last one counts
         if not isinstance(v, str):
             raise FormatError(f"{path}: __metadata__[{key!r}] is {_kind(v)}, expected a string")
-    return dict(value.pairs)  # type: ignore[arg-type]
+        metadata[key] = v
+    return metadata
 
 
-def _entry(where: str, value: object) -> tuple[str, tuple[int, ...], int, int]:
+def _entry(path: str, name: str, value: object) -> _Entry:
     """A tensor's ``(dtype, shape, begin, end)``, its offsets relative to the data area."""
-    if isinstance(value, _Object):
-        fields: dict[str, object] = {}
-        for field, v in value.pairs:
-            if field in _FIELDS:  # any other field is ignored, as safetensors does
-                if field in fields:
-                    raise FormatError(f"{where}: field {field!r} appears twice")
-                fields[field] = v
-        for field in _FIELDS:
-            if field not in fields:
-                raise FormatError(f"{where}: missing field {field!r}")
-        dtype, shape, offsets = (fields[f] for f in _FIELDS)
+    if isinstance(value, (dict, _Pairs)):
+        if isinstance(value, _Pairs) or len(value) != len(_FIELDS):
+            _check_fields(path, name, value)  # a field repeated, or an unknown one
+        fields = value if isinstance(value, dict) else dict(value)
+        try:
+            dtype, shape, offsets = fields["dtype"], fields["shape"], fields["data_offsets"]
+        except KeyError as exc:
+            raise FormatError(f"{path}: tensor {name!r}: missing field {exc}") from None
     elif isinstance(value, list):
         if len(value) != len(_FIELDS):
             raise FormatError(
-                f"{where}: entry is an array of {len(value)}, expected an object "
-                f"(or an array of dtype, shape and data_offsets)"
+                f"{path}: tensor {name!r}: entry is an array of {len(value)}, expected an "
+                f"object (or an array of dtype, shape and data_offsets)"
             )
         dtype, shape, offsets = value
     else:
-        raise FormatError(f"{where}: entry is {_kind(value)}, expected an object")
-    if isinstance(dtype, _Object) and len(dtype.pairs) == 1 and dtype.pairs[0][1] is None:
-        dtype = dtype.pairs[0][0]  # {"F32": null}: serde's externally tagged enum
+        raise FormatError(f"{path}: tensor {name!r}: entry is {_kind(value)}, expected an object")
+    if isinstance(dtype, dict) and len(dtype) == 1 and None in dtype.values():
+        (dtype,) = dtype  # {"F32": null}: serde's spelling of an enum's variant
     if not isinstance(dtype, str) or dtype not in DTYPES:
-        raise FormatError(f"{where}: unknown dtype {_show(dtype)}; known: {', '.join(DTYPES)}")
-    if not isinstance(shape, list) or not all(_usize(d) for d in shape):
-        raise FormatError(f"{where}: shape {_show(shape)} must be a list of integers in [0, 2**64)")
-    if not isinstance(offsets, list) or len(offsets) != 2 or not all(map(_usize, offsets)):
         raise FormatError(
-            f"{where}: data_offsets {_show(offsets)} must be two integers [begin, end] "
+            f"{path}: tensor {name!r}: unknown dtype {_show(dtype)}; known: {', '.join(DTYPES)}"
+        )
+    if type(shape) is not list or not _usizes(shape):
+        raise FormatError(
+            f"{path}: tensor {name!r}: shape {_show(shape)} must be a list of integers "
             f"in [0, 2**64)"
+        )
+    if type(offsets) is not list or len(offsets) != 2 or not _usizes(offsets):
+        raise FormatError(
+            f"{path}: tensor {name!r}: data_offsets {_show(offsets)} must be two integers "
+            f"[begin, end] in [0, 2**64)"
         )
     return dtype, tuple(shape), offsets[0], offsets[1]
 
 
+def _check_fields(path: str, name: str, fields: dict[str, object] | _Pairs) -> None:
+    """No field of a tensor twice; the values of others (ignored) nested no deeper than
+    serde reads (the only place a valid header nests at all deep)."""
+    seen = set()
+    for field, value in _items(fields):
+        if field in _FIELDS:
+            if field in seen:
+                raise FormatError(f"{path}: tensor {name!r}: field {field!r} appears twice")
+            seen.add(field)
+        else:
+            _check_nested(path, value, 3)  # the header, the entry, then this value
+
+
 def _layout(
-    path: str,
-    entries: Mapping[str, tuple[str, tuple[int, ...], int, int]],
-    data_start: int,
-    data_size: int,
+    path: str, entries: Mapping[str, _Entry], data_start: int, data_size: int
 ) -> tuple[TensorInfo, ...]:
     """The tensors in order of offsets, once they are seen to tile the data area."""
     tensors = []
     covered = 0
     for name, (dtype, shape, begin, end) in sorted(entries.items(), key=lambda e: e[1][2:]):
-        where = f"{path}: tensor {name!r}"
         if begin != covered or end < begin:
             problem = (
                 "ends before it begins"
@@ -314,27 +387,30 @@ def _layout(
                 else f"leaves bytes [{covered}, {begin}) of the data area unused"
             )
             raise FormatError(
-                f"{where}: data_offsets [{begin}, {end}] {problem}; the tensors must cover "
-                f"the data area contiguously from byte 0"
+                f"{path}: tensor {name!r}: data_offsets [{begin}, {end}] {problem}; the "
+                f"tensors must cover the data area contiguously from byte 0"
             )
         covered = end
         count = 1
-        for d in shape:
+        for d in shape:  # in order, as safetensors does: it refuses any product past 2**64
             count *= d
             if count > USIZE_MAX:
                 break
         bits = count * DTYPES[dtype].bits
         if bits > USIZE_MAX:
-            raise FormatError(f"{where}: shape {_show(list(shape))} of {dtype} overflows 2**64")
+            raise FormatError(
+                f"{path}: tensor {name!r}: shape {_show(list(shape))} of {dtype} overflows "
+                f"2**64 elements or bits"
+            )
         if bits % 8:
             raise FormatError(
-                f"{where}: shape {_show(list(shape))} of {dtype} is {bits} bits, "
-                f"not a whole number of bytes"
+                f"{path}: tensor {name!r}: shape {_show(list(shape))} of {dtype} is {bits} "
+                f"bits, not a whole number of bytes"
             )
         if end - begin != bits // 8:
             raise FormatError(
-                f"{where}: holds {end - begin} bytes but shape {_show(list(shape))} "
-                f"of {dtype} needs {bits // 8}"
+                f"{path}: tensor {name!r}: holds {end - begin} bytes but shape "
+                f"{_show(list(shape))} of {dtype} needs {bits // 8}"
             )
         tensors.append(TensorInfo(name, dtype, shape, data_start + begin, data_start + end))
     if covered != data_size:
