@@ -318,8 +318,8 @@ def _receive_buffer(dtype: Any, shape: list[int], device: str) -> Any:
     if device != "cpu":
         return torch.empty(shape, dtype=dtype, device=device)
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    if nbytes == 0:
-        return torch.empty(shape, dtype=dtype)
+    if nbytes == 0:  # reshaped: torch refuses to make some empty shapes directly
+        return torch.empty(0, dtype=dtype).reshape(shape)
     memory = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     return torch.frombuffer(memory, dtype=torch.uint8).view(dtype).reshape(shape)
 

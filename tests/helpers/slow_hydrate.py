@@ -20,9 +20,9 @@ from loaderplug.types import IOPolicy
 
 class SlowSource(PosixSource):
     def pread_into(self, buf: memoryview, offset: int) -> int:
-        if READ_LOG:  # one line per read started (offset, bytes asked), for tests to count
+        if READ_LOG:  # a line per read started (offset, bytes asked, file), to count
             with open(READ_LOG, "a") as log:
-                log.write(f"{offset} {len(buf)}\n")
+                log.write(f"{offset} {len(buf)} {self.path}\n")
         time.sleep(DELAY_S)
         return super().pread_into(buf, offset)
 
