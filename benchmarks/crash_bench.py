@@ -36,14 +36,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the suite's crash trials
 from common import write_results
 
-from loaderplug import hydrate, plugins, sync
+from loaderplug import sync
 from loaderplug.partial import journal_for, read_landed
 from loaderplug.testing.model import write_model
 from loaderplug.testing.volume import VolumeProfile, mounted
 from loaderplug.types import Identity
 from loaderplug.units import GiB, MiB, format_size
-from tests.helpers.crash import files_of, kill_trial
-from tests.test_crash import Storm, open_descriptors, resident_bytes
+from tests.helpers.crash import files_of, kill_trial, soak
 
 HERE = Path(__file__).resolve().parent
 
@@ -158,29 +157,14 @@ def resumes(root: Path, size: int) -> tuple[list[str], list[dict[str, Any]]]:
     return lines, rows
 
 
-def soak(root: Path, rounds: int) -> tuple[list[str], dict[str, Any]]:
+def soaked(root: Path, rounds: int) -> tuple[list[str], dict[str, Any]]:
     model = root / "soak"
     write_model(model, 8 * MiB, shards=4)
-    want = files_of(model)
-    rng = random.Random(5)
-    corrupt = partial = failed_files = retries = 0
-    fds, rss = [], []
-    for n in range(rounds):
-        storm = Storm(rng.uniform(0.05, 0.30), seed=n)
-        plugins.register(storm)
-        local = root / "soak-local"
-        try:
-            report = hydrate(model, local, check=False, **FAST)
-        finally:
-            plugins.unregister(storm)
-        got = files_of(local)
-        corrupt += sum(got[rel] != want[rel] for rel in got)
-        partial += len([p for p in local.rglob(".*loaderplug-*")])
-        failed_files += len(report.failed)
-        retries += report.retries
-        shutil.rmtree(local)
-        fds.append(open_descriptors())
-        rss.append(resident_bytes())
+    result = soak(model, root / "soak-local", rounds, seed=5, **FAST)
+    fds, rss = result.descriptors, result.resident
+    corrupt, partial, failed_files, retries = (
+        result.corrupt, result.partial, result.failed, result.retries
+    )  # fmt: skip
     lines = [
         f"{rounds} hydrates of an 8 MiB, 4-shard model in one process, each under "
         "ENOMEM/EIO/EAGAIN on a random 5-30% of reads.\n",
@@ -190,7 +174,7 @@ def soak(root: Path, rounds: int) -> tuple[list[str], dict[str, Any]]:
         f"| {rounds} | {retries} | {failed_files} | {corrupt} | {partial} | "
         f"{min(fds)}-{max(fds)} | {min(rss) / MiB:.0f}-{max(rss) / MiB:.0f} MiB |",
     ]
-    return lines, {"fds": fds, "rss": rss, "corrupt": corrupt, "partial": partial}
+    return lines, result.__dict__
 
 
 def main() -> None:
@@ -204,7 +188,7 @@ def main() -> None:
         root = Path(tmp)
         kill_lines, kill_raw = kills(root, trials)
         resume_lines, resume_raw = resumes(root, size)
-        soak_lines, soak_raw = soak(root, rounds)
+        soak_lines, soak_raw = soaked(root, rounds)
     took = time.perf_counter() - started
     header = (
         "# Hard to break\n\nCommand: `python benchmarks/crash_bench.py"

@@ -3,21 +3,17 @@ storms: nothing published is ever partial or mixed, and a rerun cleans up."""
 
 from __future__ import annotations
 
-import errno
 import os
 import random
-import shutil
 from pathlib import Path
 
 import pytest
 
-from loaderplug import hookimpl, hydrate, plugins, sync
-from loaderplug.source import PosixSource
+from loaderplug import sync
 from loaderplug.testing.model import write_model
-from loaderplug.types import IOPolicy
 from loaderplug.units import MiB
-from tests.conftest import FAST, leftover_temps, tree_bytes
-from tests.helpers.crash import files_of, kill_trial
+from tests.conftest import FAST
+from tests.helpers.crash import files_of, kill_trial, soak
 
 TRIALS = int(os.environ.get("LOADERPLUG_CRASH_TRIALS", "3"))
 
@@ -79,60 +75,13 @@ def test_one_pass_killed_at_random_points(tmp_path: Path) -> None:
         assert "rerun exited" not in trial.detail and "left behind" not in trial.detail, trial
 
 
-class Storm:
-    """Transient errors on a random share of reads, as an overloaded volume gives."""
-
-    def __init__(self, rate: float, seed: int) -> None:
-        self.rate = rate
-        self.rng = random.Random(seed)
-        self.injected = 0
-
-    @hookimpl
-    def loaderplug_open_source(self, path: str, policy: IOPolicy) -> PosixSource:
-        storm = self
-
-        class Stormy(PosixSource):
-            def pread_into(self, buf: memoryview, offset: int) -> int:
-                if storm.rng.random() < storm.rate:
-                    storm.injected += 1
-                    code = storm.rng.choice((errno.ENOMEM, errno.EIO, errno.EAGAIN))
-                    raise OSError(code, os.strerror(code), path)
-                return super().pread_into(buf, offset)
-
-        return Stormy(path, policy)
-
-
-def open_descriptors() -> int:
-    return len(os.listdir("/proc/self/fd"))
-
-
-def resident_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
 def test_a_soak_of_hydrates_under_error_storms_publishes_only_whole_files(
     model: Path, tmp_path: Path
 ) -> None:
     rounds = int(os.environ.get("LOADERPLUG_SOAK_ROUNDS", "10"))
-    rng = random.Random(4)
-    want = tree_bytes(model)
-    fds, rss = [], []
-    for n in range(rounds):
-        storm = Storm(rng.uniform(0.05, 0.30), seed=n)
-        plugins.register(storm)
-        local = tmp_path / "local"
-        try:
-            report = hydrate(model, local, check=False, **FAST)
-        finally:
-            plugins.unregister(storm)
-        got = tree_bytes(local)
-        failed = {r.path for r in report.failed}
-        assert all(got[rel] == want[rel] for rel in got), "a corrupt file was published"
-        assert set(got) | failed == set(want) and not (set(got) & failed)
-        assert leftover_temps(local) == []
-        shutil.rmtree(local)
-        fds.append(open_descriptors())
-        rss.append(resident_bytes())
+    result = soak(model, tmp_path / "local", rounds, seed=4, **FAST)
+    assert result.corrupt == 0 and result.partial == 0, result
+    assert result.retries > 0  # the storms were real
+    fds, rss = result.descriptors, result.resident
     assert max(fds) == min(fds), fds  # no descriptor leaked
     assert max(rss) - min(rss) < 32 * MiB, rss  # memory flat

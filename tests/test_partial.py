@@ -6,7 +6,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -17,30 +16,22 @@ from loaderplug.testing.model import write_model
 from loaderplug.types import Identity
 from loaderplug.units import MiB
 from tests.conftest import leftover_temps
+from tests.helpers import slowed
 
-HELPER = Path(__file__).parent / "helpers" / "slow_hydrate.py"
 REPO = Path(__file__).resolve().parent.parent
 CHUNK = 256 * 1024
 WORKERS = 4
 
 
 def start(command: list[str], delay_s: float, read_log: Path) -> subprocess.Popen[str]:
-    return subprocess.Popen(
-        [sys.executable, str(HELPER), str(delay_s), *command],
-        cwd=REPO,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env={
-            "PATH": "/usr/bin:/bin",
-            "PYTHONPATH": str(REPO),
-            "LOADERPLUG_PROGRESS": "0",
-            "LOADERPLUG_CHUNK_BYTES": str(CHUNK),
-            "LOADERPLUG_HYDRATE_WORKERS": str(WORKERS),
-            "LOADERPLUG_SPLIT_THRESHOLD_BYTES": "512K",  # ranges, not one whole-file read
-            "SLOW_HYDRATE_READ_LOG": str(read_log),
-        },
-    )
+    env = {
+        "LOADERPLUG_CHUNK_BYTES": str(CHUNK),
+        "LOADERPLUG_HYDRATE_WORKERS": str(WORKERS),
+        "LOADERPLUG_SPLIT_THRESHOLD_BYTES": "512K",  # ranges, not one whole-file read
+        # Through the helper even undelayed (1 ns): its log counts the reads.
+        "SLOW_HYDRATE_READ_LOG": str(read_log),
+    }
+    return slowed.start(command, delay_s or 1e-9, env)
 
 
 def bytes_read(read_log: Path, under: Path) -> int:

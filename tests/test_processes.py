@@ -5,14 +5,13 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 from loaderplug import hydrate
 from tests.conftest import FAST, leftover_temps, tree_bytes
+from tests.helpers import slowed
 
-HELPER = Path(__file__).parent / "helpers" / "slow_hydrate.py"
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -20,20 +19,8 @@ def start(
     src: Path, dst: Path, delay_s: float, *extra: str, read_log: Path | None = None
 ) -> subprocess.Popen[str]:
     args = ["hydrate", "--from", str(src), "--to", str(dst), "--chunk-bytes", "64K", *extra]
-    return subprocess.Popen(
-        [sys.executable, str(HELPER), str(delay_s), *args],
-        cwd=REPO,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env={
-            "PATH": "/usr/bin:/bin",
-            "LOADERPLUG_PROGRESS": "0",
-            "LOADERPLUG_SPLIT_THRESHOLD_BYTES": "128K",
-            "PYTHONPATH": str(REPO),
-            "SLOW_HYDRATE_READ_LOG": str(read_log or ""),
-        },
-    )
+    env = {"LOADERPLUG_SPLIT_THRESHOLD_BYTES": "128K", "SLOW_HYDRATE_READ_LOG": str(read_log or "")}
+    return slowed.start(args, delay_s, env)
 
 
 def wait_for_temps(

@@ -7,7 +7,6 @@ from __future__ import annotations
 import errno
 import json
 import subprocess
-import sys
 import threading
 import time
 from collections import Counter
@@ -22,11 +21,11 @@ from loaderplug.testing.volume import VolumeProfile, fuse_unavailable_reason, mo
 from loaderplug.types import IOPolicy
 from loaderplug.units import MiB
 from tests.conftest import FAST, leftover_temps
+from tests.helpers import slowed
 
 pytest.importorskip("torch")
 pytest.importorskip("safetensors")
 
-HELPER = Path(__file__).parent / "helpers" / "slow_hydrate.py"
 REPO = Path(__file__).resolve().parent.parent
 needs_fuse = pytest.mark.skipif(
     fuse_unavailable_reason() is not None, reason=f"FUSE: {fuse_unavailable_reason()}"
@@ -36,21 +35,12 @@ needs_fuse = pytest.mark.skipif(
 def start_one_pass(mirror: Path, local: Path, delay_s: float) -> subprocess.Popen[str]:
     """``loaderplug load --from MIRROR --to LOCAL --json``, every read slowed down."""
     args = ["load", "--from", str(mirror), "--to", str(local), "--json"]
-    return subprocess.Popen(
-        [sys.executable, str(HELPER), str(delay_s), *args],
-        cwd=REPO,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env={
-            "PATH": "/usr/bin:/bin",
-            "PYTHONPATH": str(REPO),
-            "LOADERPLUG_PROGRESS": "0",
-            "LOADERPLUG_CHUNK_BYTES": "64K",
-            "LOADERPLUG_SPLIT_THRESHOLD_BYTES": "128K",
-            "LOADERPLUG_HYDRATE_WORKERS": "4",
-        },
-    )
+    env = {
+        "LOADERPLUG_CHUNK_BYTES": "64K",
+        "LOADERPLUG_SPLIT_THRESHOLD_BYTES": "128K",
+        "LOADERPLUG_HYDRATE_WORKERS": "4",
+    }
+    return slowed.start(args, delay_s, env)
 
 
 def shards_of(folder: Path) -> dict[str, bytes]:

@@ -6,7 +6,6 @@ import errno
 import json
 import os
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -18,28 +17,16 @@ from loaderplug.sync_mark import MARK_NAME, SyncMark, read_mark, wait_for_sync
 from loaderplug.testing.model import write_model
 from loaderplug.units import MiB
 from tests.conftest import FAST, leftover_temps, tree_bytes
+from tests.helpers import slowed
 
-HELPER = Path(__file__).parent / "helpers" / "slow_hydrate.py"
 REPO = Path(__file__).resolve().parent.parent
 QUICK_MARKS = {"sync_stale_s": 2, "sync_wait_s": 30}
 
 
 def start_sync(local: Path, mirror: Path, delay_s: float) -> subprocess.Popen[str]:
     args = ["sync", "--from", str(local), "--to", str(mirror), "--chunk-bytes", "64K"]
-    return subprocess.Popen(
-        [sys.executable, str(HELPER), str(delay_s), *args],
-        cwd=REPO,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env={
-            "PATH": "/usr/bin:/bin",
-            "PYTHONPATH": str(REPO),
-            "LOADERPLUG_PROGRESS": "0",
-            "LOADERPLUG_SPLIT_THRESHOLD_BYTES": "128K",
-            "LOADERPLUG_SYNC_STALE_S": "2",
-        },
-    )
+    env = {"LOADERPLUG_SPLIT_THRESHOLD_BYTES": "128K", "LOADERPLUG_SYNC_STALE_S": "2"}
+    return slowed.start(args, delay_s, env)
 
 
 def wait_until(condition: object, timeout_s: float = 30) -> None:

@@ -11,24 +11,25 @@ left behind (temp files, partial copies, journals, a sync's mark).
 
 from __future__ import annotations
 
+import errno
+import os
 import random
+import shutil
 import signal
 import subprocess
-import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
+from loaderplug import hookimpl, hydrate, plugins
 from loaderplug.sinks import is_temp_name
+from loaderplug.source import PosixSource
 from loaderplug.sync_mark import MARK_NAME
 from loaderplug.tree import is_own_name
+from loaderplug.types import IOPolicy
+from tests.helpers import slowed
 
-HELPER = Path(__file__).parent / "slow_hydrate.py"
-REPO = Path(__file__).resolve().parent.parent.parent
 ENV = {
-    "PATH": "/usr/bin:/bin",
-    "PYTHONPATH": str(REPO),
-    "LOADERPLUG_PROGRESS": "0",
     "LOADERPLUG_CHUNK_BYTES": "64K",
     "LOADERPLUG_SPLIT_THRESHOLD_BYTES": "128K",
     "LOADERPLUG_HYDRATE_WORKERS": "4",
@@ -65,17 +66,8 @@ class Trial:
     detail: str = ""
 
 
-def run(args: list[str], delay_s: float | None = None) -> subprocess.Popen[str]:
-    slowed = [sys.executable, str(HELPER), str(delay_s)]
-    launcher = slowed if delay_s else [sys.executable, "-m", "loaderplug"]
-    return subprocess.Popen(
-        [*launcher, *args],
-        cwd=REPO,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=ENV,
-    )
+def run(args: list[str], delay_s: float = 0.0) -> subprocess.Popen[str]:
+    return slowed.start(args, delay_s, ENV)
 
 
 def kill_trial(
@@ -119,3 +111,66 @@ def kill_trial(
         )
     )
     return Trial(wait, finished, not bad, rerun.returncode == 0 and same and not left, detail)
+
+
+class Storm:
+    """A plugin: transient errors on a random share of reads, as an overloaded volume
+    answers."""
+
+    def __init__(self, rate: float, seed: int) -> None:
+        self.rate = rate
+        self.rng = random.Random(seed)
+
+    @hookimpl
+    def loaderplug_open_source(self, path: str, policy: IOPolicy) -> PosixSource:
+        storm = self
+
+        class Stormy(PosixSource):
+            def pread_into(self, buf: memoryview, offset: int) -> int:
+                if storm.rng.random() < storm.rate:
+                    code = storm.rng.choice((errno.ENOMEM, errno.EIO, errno.EAGAIN))
+                    raise OSError(code, os.strerror(code), path)
+                return super().pread_into(buf, offset)
+
+        return Stormy(path, policy)
+
+
+@dataclass
+class Soak:
+    """What hydrates under error storms did: files published corrupt (must be none) or
+    left partial (none), files reported failed, retries, and the descriptors and RSS
+    after each hydrate (flat)."""
+
+    corrupt: int = 0
+    partial: int = 0
+    failed: int = 0
+    retries: int = 0
+    descriptors: list[int] = field(default_factory=list)
+    resident: list[int] = field(default_factory=list)
+
+
+def soak(model: Path, local: Path, rounds: int, seed: int, **settings: object) -> Soak:
+    """``rounds`` hydrates of ``model`` into ``local`` in this process, each under a storm
+    on a random 5-30% of reads."""
+    want = files_of(model)
+    rng = random.Random(seed)
+    result = Soak()
+    for n in range(rounds):
+        storm = Storm(rng.uniform(0.05, 0.30), seed=n)
+        plugins.register(storm)
+        try:
+            report = hydrate(model, local, check=False, **settings)  # type: ignore[arg-type]
+        finally:
+            plugins.unregister(storm)
+        got = files_of(local)
+        failed = {r.path for r in report.failed}
+        result.corrupt += sum(got[rel] != want[rel] for rel in got)
+        result.corrupt += len(set(got) & failed)  # a failed file must not be published
+        result.partial += len(leftovers(local))
+        result.failed += len(failed)
+        result.retries += report.retries
+        shutil.rmtree(local)
+        result.descriptors.append(len(os.listdir("/proc/self/fd")))
+        with open("/proc/self/statm") as f:
+            result.resident.append(int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE"))
+    return result
