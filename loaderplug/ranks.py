@@ -135,9 +135,18 @@ def shared_tensors(
     stats: dict[str, Any] | None = None,
 ) -> Iterator[tuple[str, Any]]:
     """Every tensor of ``paths`` on this rank, this rank reading only its own files."""
+    import torch.distributed as dist
+
     files = [Path(p) for p in paths]
     local = Path(local_dir) if local_dir is not None else None
-    sizes = [_size(p) for p in files]
+    try:
+        sizes = [_size(p) for p in files]
+    except LoaderplugError as exc:  # the others hear of it at their first step
+        try:
+            _step(share, ("error", str(exc)))
+        finally:
+            dist.destroy_process_group(share.group)
+        raise AssertionError("unreachable: the step raised") from exc
     owner = owners(sizes, share.size)
     mine = [f for f, r in zip(files, owner, strict=True) if r == share.rank]
     mode = sharing_mode(files, device, local, settings)
@@ -146,8 +155,6 @@ def shared_tensors(
         settings = settings.replace(direct_io="off")
     plan = load_plan(mine, device, settings, local, lock_each_file=True)
     runner = Runner(plan, settings)
-    import torch.distributed as dist
-
     groups = [share.group]
     try:
         if mode == "pagecache":
