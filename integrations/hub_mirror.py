@@ -8,6 +8,17 @@
     refs/<branch>                         the commit a branch pointed at
     trees/<commit>.json                   the repo's complete file listing at that commit
 
+and, as huggingface_hub >= 2.x writes a cache, a Xet-backed file's ``blobs/<etag>`` may
+be a relative link into the cache-wide store beside the repo folders::
+
+    <hub root>/blobs/.huggingface-shared-blobs      the store's marker
+    <hub root>/blobs/<2 hex>/<xet hash>             the content, once per cache
+    <hub root>/blobs/<2 hex>/<xet hash>.refs        the links that use it
+
+Such a link is followed only where huggingface_hub's own functions say it is one of its
+store links (:func:`blob_origin`); any other link is refused. Copies read a blob's bytes
+where they are, so every copy's source root is the hub root, and write plain blobs.
+
 The listing is what makes a mirror trustworthy: it names every file of the commit with
 its size and etag, so a hydrate knows whether the mirror holds everything a call's
 patterns select, and refuses a blob whose size or content does not match its name.
@@ -29,7 +40,7 @@ import re
 import secrets
 import stat
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from loaderplug.digest import Expected
@@ -40,6 +51,7 @@ from loaderplug.transfers import select
 from loaderplug.tree import is_own_name, path_problem
 
 # The formats huggingface_hub writes (pure data: this module never imports huggingface_hub).
+from .upstream import huggingface_hub as seam
 from .upstream.huggingface_hub import LISTING_FORMAT, LOCAL_DIR_META
 
 COMMIT = re.compile(r"^[0-9a-f]{40}$")
@@ -196,13 +208,44 @@ def expectations(by_rel: dict[str, RepoFile]) -> Callable[[str], Expected | None
     return expect
 
 
+def blob_origin(folder: Path, blob: str) -> tuple[str | None, str]:
+    """Where the bytes of the repo folder's ``blobs/<blob>`` are, relative to the hub
+    root (``folder.parent``), and "": the blob itself, or, for a link into the cache's
+    shared Xet store, the store file it names. None and why, where it cannot be read."""
+    path = folder / "blobs" / blob
+    try:
+        mode = os.lstat(path).st_mode
+    except OSError:
+        return None, "its blob is not there"
+    if stat.S_ISREG(mode):
+        return f"{folder.name}/blobs/{blob}", ""
+    if not stat.S_ISLNK(mode):
+        return None, "its blob is not a file"
+    root = folder.parent
+    target = None
+    if seam.is_shared_blobs_dir()(seam.shared_blobs_dir()(root)):
+        target = seam.shared_blob_target()(path, root)
+    if target is None:
+        return None, (
+            f"its blob is a link to {os.readlink(path)}, which is not a file of the "
+            f"cache's shared blob store ({root / 'blobs'})"
+        )
+    return target.relative_to(root).as_posix(), ""
+
+
 @dataclass
 class Selection:
-    """What a call asks of the mirror at one commit: files it holds, files it cannot give."""
+    """What a call asks of the mirror at one commit: files it holds, files it cannot give,
+    and where each usable blob's bytes are (relative to the hub root)."""
 
     commit: str
     usable: list[RepoFile]
     refused: dict[str, str]  # repo path -> why the mirror cannot serve it
+    origins: dict[str, str] = field(default_factory=dict)  # blob -> its bytes' path
+
+    def use(self, entry: RepoFile, origin: str) -> None:
+        self.usable.append(entry)
+        self.origins[entry.blob] = origin
 
 
 def check_selection(
@@ -212,17 +255,20 @@ def check_selection(
     selection = Selection(commit, [], {})
     for path in wanted:
         entry = listing[path]
+        origin, problem = blob_origin(folder, entry.blob)
         try:
-            size = os.stat(folder / "blobs" / entry.blob).st_size
+            size = os.stat(folder.parent / origin).st_size if origin else -1
         except OSError:
-            selection.refused[path] = "its blob is not on the mirror"
+            origin, problem = None, "its blob is not there"
+        if origin is None:
+            selection.refused[path] = problem.replace("there", "on the mirror", 1)
             continue
         if size != entry.size:
             selection.refused[path] = (
                 f"its blob on the mirror has {size} bytes; the listing says {entry.size}"
             )
             continue
-        selection.usable.append(entry)
+        selection.use(entry, origin)
     return selection
 
 
@@ -258,15 +304,16 @@ def snapshot_selection(
         if os.path.dirname(target) != blobs or not (SHA256.match(blob) or COMMIT.match(blob)):
             selection.refused[path] = f"its link points at {os.readlink(where)}, not at a blob"
             continue
+        origin, problem = blob_origin(folder, blob)
         try:
-            st = os.stat(target)
+            st = os.stat(folder.parent / origin) if origin else None
         except OSError:
-            selection.refused[path] = "its blob is not on the mirror"
+            st = None
+        if origin is None or st is None or not stat.S_ISREG(st.st_mode):
+            why = problem or "its blob is not there"
+            selection.refused[path] = why.replace("there", "on the mirror", 1)
             continue
-        if not stat.S_ISREG(st.st_mode):
-            selection.refused[path] = "its blob on the mirror is not a file"
-            continue
-        selection.usable.append(RepoFile(path, blob, st.st_size))
+        selection.use(RepoFile(path, blob, st.st_size), origin)
     return selection
 
 
@@ -275,17 +322,18 @@ def hydrate_cache(
 ) -> TransferReport:
     """Copy the selection into the cache folder ``local`` (Hub layout): blobs, verified
     before they are published, the listing (unless ``listing`` is False: the mirror has
-    none), and the snapshot links to what landed."""
-    files = {f"blobs/{f.blob}": f"blobs/{f.blob}" for f in selection.usable}
+    none), and the snapshot links to what landed. Blobs land as plain files, which
+    huggingface_hub reads like its store's links."""
+    files = {f"blobs/{f.blob}": selection.origins[f.blob] for f in selection.usable}
     if listing:
         rel = listing_rel(selection.commit)
-        files[rel] = rel
+        files[rel] = f"{mirror.name}/{rel}"
     links = {
         f"snapshots/{selection.commit}/{f.path}": link_target(f.path, f.blob)
         for f in selection.usable
     }
     expect = expectations({f"blobs/{f.blob}": f for f in selection.usable})
-    return select("hydrate", mirror, local, files, links, settings, expect=expect)
+    return select("hydrate", mirror.parent, local, files, links, settings, expect=expect)
 
 
 def hydrate_local_dir(
@@ -299,15 +347,15 @@ def hydrate_local_dir(
     """Copy the selection into ``local_dir`` as plain files at their repo paths, with the
     listing (unless ``listing`` is False) where huggingface_hub keeps it for a
     ``local_dir`` download."""
-    files = {f.path: f"blobs/{f.blob}" for f in selection.usable}
+    files = {f.path: selection.origins[f.blob] for f in selection.usable}
     if listing:
         rel = listing_rel(selection.commit)
-        files[f"{LOCAL_DIR_META}/{rel}"] = rel
+        files[f"{LOCAL_DIR_META}/{rel}"] = f"{mirror.name}/{rel}"
 
     # The lock goes with huggingface_hub's own bookkeeping, not among the user's files.
     return select(
         "hydrate",
-        mirror,
+        mirror.parent,
         local_dir,
         files,
         {},
@@ -351,13 +399,22 @@ def sync_snapshot(
             f"without it the mirror could not tell a complete snapshot, so it is not filled"
         )
     entries = [listing[p] for p in choose(listing)]
-    files = {f"blobs/{f.blob}": (f.path if local_dir else f"blobs/{f.blob}") for f in entries}
+    # A cache's blobs are read where their bytes are (its shared store included), from
+    # the hub root; a local_dir's files where they are.
+    source = local if local_dir else local.parent
+    files: dict[str, str] = {}
+    for f in entries:
+        origin, problem = (f.path, "") if local_dir else blob_origin(local, f.blob)
+        # A blob that cannot be read is left to the copy, which reports it as failed.
+        files[f"blobs/{f.blob}"] = origin or f"{local.name}/blobs/{f.blob}"
+        if problem:
+            log.debug("%s: %s: %s", local, f.path, problem)
     rel = listing_rel(commit)
-    files[rel] = meta + rel
+    files[rel] = meta + rel if local_dir else f"{local.name}/{rel}"
     links = {f"snapshots/{commit}/{f.path}": link_target(f.path, f.blob) for f in entries}
     mirror.mkdir(parents=True, exist_ok=True)
     expect = expectations({f"blobs/{f.blob}": f for f in entries})
-    report = select("sync", local, mirror, files, links, settings, expect=expect)
+    report = select("sync", source, mirror, files, links, settings, expect=expect)
     if report.ok and not COMMIT.match(revision):
         write_ref(mirror, revision, commit)
     return report

@@ -1,47 +1,58 @@
-"""``snapshot_download`` that hydrates from the volume mirror and fills it after a download.
+"""Hub downloads served from the volume mirror, and the mirror filled after a download.
 
     from loaderplug.integrations import huggingface_hub as lp_hub
-    lp_hub.install()            # every snapshot_download in this process goes through it
+    lp_hub.install()    # every snapshot_download and hf_hub_download in this process
     path = snapshot_download("org/model")
+
+``install()`` routes both download functions through loaderplug wherever a library can
+reach them: the ``huggingface_hub`` package, the modules ``HfApi``'s methods import them
+from at call time, and names other modules imported earlier (transformers' and vLLM's).
+So transformers' ``from_pretrained`` (configs, tokenizers, weights), diffusers'
+``snapshot_download(allow_patterns=...)`` and vLLM's config, tokenizer and weight
+lookups all meet the mirror. Each wrapper takes exactly what its original takes (its
+``validate_hf_hub_args`` decorator's tolerance of legacy arguments such as ``proxies``
+included) and returns what it returns.
 
 What a call does:
 
-1. If the mirror (``LOADERPLUG_VOLUME``/hub, or a ``loaderplug_find_mirror`` plugin) holds
-   the repo at the requested revision, with every file the call's patterns select, those
-   files are hydrated into the local cache (blobs, snapshot links, ref, file listing) and
-   the snapshot path is returned without a single request to the Hub. A branch is
-   resolved by the mirror's ref: the mirror answers for the commit it holds.
-2. Otherwise the original ``snapshot_download`` runs (fetching only what is still
-   missing), and what it downloaded is copied to the mirror, unless
-   ``LOADERPLUG_SYNC=off``. The copy runs in the foreground, before the call returns: a
-   short-lived worker that exited mid-copy would leave nothing usable, and the first
-   worker pays for it once per model.
-3. Any failure on the mirror path falls back to the original download with one warning,
-   and a failed copy to the mirror never fails the caller's download. A mirror blob of
-   the wrong size or content is refused, and that file is downloaded instead. A mirror
-   that is skipped, for whatever reason, says why in one warning.
+1. Its branch is pinned to one commit for the whole process (:mod:`.hub_commits`): one
+   ``repo_info`` request per repo, as stock huggingface_hub makes; the mirror's ref where
+   the Hub is out of reach or offline (one warning), or with
+   ``LOADERPLUG_TRUST_MIRROR_REF=1``. So a load never mixes two commits.
+2. If the mirror (``LOADERPLUG_VOLUME``/hub, or a ``loaderplug_find_mirror`` plugin)
+   holds that commit with every file the call selects, those files are hydrated into
+   the local cache (blobs, snapshot links, ref, file listing) and the path is returned
+   with no request to the Hub for a file. A call whose patterns select nothing (vLLM's
+   path lookup, ``ignore_patterns="*"``) gets the repo's files other than weights, so
+   the snapshot it returns is one a loader can read a config from.
+3. Otherwise the original runs at the pinned commit (fetching only what is missing),
+   and what it downloaded is copied to the mirror, unless ``LOADERPLUG_SYNC=off``. The
+   copy runs before the call returns: a short-lived worker that exited mid-copy would
+   leave nothing usable, and the first worker pays for it once per model.
+4. Any failure on the mirror path falls back to the original with one warning, and a
+   failed copy to the mirror never fails the caller's download. A mirror blob of the
+   wrong size or content is refused, and that file is downloaded instead. A mirror that
+   is skipped says why in one warning.
 
-A mirror written before huggingface_hub kept listings (1.22; ``trees/`` absent) is still
-used. With the Hub reachable, the commit's listing is fetched once (one ``list_repo_tree``
-request, one per 1000 files), kept on the mirror for the next worker, and the call is
-served as in 1. With the Hub out of reach (a failed connection, a timeout, an error
-answer), ``HF_HUB_OFFLINE=1`` or ``local_files_only``, the mirror's snapshot is served as
-huggingface_hub serves its own cache offline: what its links hold, by the patterns, each
-blob named by a hash checked as it is copied, with one warning that completeness was
-not checked.
-
-Install it explicitly with :func:`install` (or ``with installed(): ...``); loaderplug's
-vLLM plugin installs it when a mirror is configured.
+The mirror is a Hub cache as huggingface_hub writes it, the shared Xet store of
+huggingface_hub >= 2.x included (:mod:`.hub_mirror`). A mirror written before
+huggingface_hub kept listings (``trees/`` absent) is still used: with the Hub reachable,
+the commit's listing is fetched once (one ``list_repo_tree`` request, one per 1000
+files) and kept on the mirror; with the Hub out of reach, offline or
+``local_files_only``, its snapshot is served as huggingface_hub serves its own cache
+offline: what its links hold, each blob named by a hash checked as it is copied, with
+one warning that completeness was not checked.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import logging
 import os
 import sys
-import time
+import threading
 import types
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -53,7 +64,9 @@ from loaderplug.plugins import Plugins
 from loaderplug.settings import Settings, from_env
 from loaderplug.types import MirrorRequest
 
-from . import hub_mirror
+from . import hub_commits, hub_mirror
+from .hub_commits import offline as _offline
+from .hub_commits import revision as _revision
 from .upstream import huggingface_hub as seam
 
 try:
@@ -65,8 +78,9 @@ try:
 
     # Not public: see loaderplug.integrations.upstream.huggingface_hub.
     repo_folder_name = seam.repo_folder_name()
-    # The function this module wraps, as huggingface_hub defines it.
+    # The functions this module wraps, as huggingface_hub defines them.
     original_snapshot_download: Callable[..., Any] = seam.snapshot_download()
+    original_hf_hub_download: Callable[..., Any] = seam.hf_hub_download()
 except ImportError as exc:  # pragma: no cover - the message is the point
     raise ImportError(
         "loaderplug.integrations.huggingface_hub needs huggingface_hub: "
@@ -74,23 +88,98 @@ except ImportError as exc:  # pragma: no cover - the message is the point
     ) from exc
 
 log = logging.getLogger(__name__)
-_SIGNATURE = inspect.signature(original_snapshot_download)
-_installed: list[tuple[types.ModuleType, str]] = []
+_installed: list[tuple[types.ModuleType, str, Callable[..., Any]]] = []
+
+# What a call that selects no file is still given: every file but the weights.
+WEIGHT_PATTERNS = (
+    "*.safetensors",
+    "*.bin",
+    "*.pt",
+    "*.pth",
+    "*.ckpt",
+    "*.gguf",
+    "*.h5",
+    "*.msgpack",
+    "*.onnx",
+    "*.onnx_data",
+    "*.npz",
+)
 
 
-def snapshot_download(*args: Any, **kwargs: Any) -> Any:
-    """``huggingface_hub.snapshot_download``, served from the mirror when it can be."""
-    call = _SIGNATURE.bind(*args, **kwargs)  # the original's TypeError for a bad call
-    call.apply_defaults()
-    options = call.arguments
+@dataclass(frozen=True)
+class _Call:
+    """One download call, bound to its original's parameters."""
+
+    original: Callable[..., Any]
+    bound: inspect.BoundArguments
+    file: str | None  # hf_hub_download's repo path; None for a snapshot
+
+    @property
+    def options(self) -> dict[str, Any]:
+        return self.bound.arguments
+
+    def run_original(self, commit: str | None = None) -> Any:
+        """The original, pinned to ``commit`` where one is known (so that it downloads
+        the commit the rest of the load uses, without asking the Hub again)."""
+        bound = self.bound
+        named = self.options.get("revision")
+        if commit is not None and _revision(self.options) != commit:
+            pinned = seam.resolved_revision()(
+                commit,
+                named,
+                self.options["repo_id"],
+                self.options.get("repo_type"),
+            )
+            bound = inspect.BoundArguments(bound.signature, {**bound.arguments})
+            bound.arguments["revision"] = pinned
+        return self.original(*bound.args, **bound.kwargs)
+
+
+def _wrap(original: Callable[..., Any], file_call: bool) -> Callable[..., Any]:
+    """A function with ``original``'s name, signature and decorator, that serves the call
+    from the mirror when it can."""
+    signature = inspect.signature(original)
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        bound = signature.bind(*args, **kwargs)  # the original's TypeError for a bad call
+        bound.apply_defaults()
+        file = None
+        if file_call:
+            subfolder = bound.arguments.get("subfolder")
+            name = str(bound.arguments["filename"])
+            file = f"{subfolder}/{name}" if subfolder else name
+        return _download(_Call(original, bound, file))
+
+    functools.update_wrapper(wrapper, original)
+    del wrapper.__wrapped__  # type: ignore[attr-defined]  # its signature is set below
+    wrapper.__signature__ = signature  # type: ignore[attr-defined]
+    wrapper.__module__ = __name__
+    # The originals' own decorator: repo ids checked, legacy arguments (proxies, ...)
+    # dropped with its warning, before the call is bound.
+    validated = seam.validate_hf_hub_args()(wrapper)
+    return validated
+
+
+snapshot_download = _wrap(original_snapshot_download, file_call=False)
+hf_hub_download = _wrap(original_hf_hub_download, file_call=True)
+
+
+def _download(call: _Call) -> Any:
+    options = call.options
     if options.get("dry_run") or options.get("force_download"):
         _say_bypassed(options)
-        return original_snapshot_download(*args, **kwargs)
+        return call.run_original()
     mirror: Path | None = None
+    commit: str | None = None
     try:
         settings = from_env()
         mirror = _mirror_for(options, settings)
-        served = _from_mirror(mirror, options, settings) if mirror is not None else None
+        commit = hub_commits.pinned(options, mirror, settings)
+        served = None
+        if mirror is not None and commit is not None:
+            served = _from_mirror(mirror, call, commit, settings)
+    except seam.revision_not_found_error():
+        return call.run_original()  # the Hub's own error, as stock raises it
     except Exception as exc:
         log.warning(
             "loaderplug: the mirror %s could not serve %s (%s); downloading it instead",
@@ -98,13 +187,15 @@ def snapshot_download(*args: Any, **kwargs: Any) -> Any:
             options["repo_id"],
             exc,
         )
-        return original_snapshot_download(*args, **kwargs)
+        return call.run_original(commit)
     if served is not None:
         return served
-    result = original_snapshot_download(*args, **kwargs)
+    result = call.run_original(commit)
+    if commit is not None:
+        _keep_local_ref(options, commit)
     if mirror is not None and settings.sync and not _offline(options):
         try:
-            _to_mirror(mirror, options, settings)
+            _to_mirror(mirror, call, commit, settings)
         except Exception as exc:
             log.warning(
                 "loaderplug: copying %s to the mirror %s failed (%s); the download itself "
@@ -116,29 +207,13 @@ def snapshot_download(*args: Any, **kwargs: Any) -> Any:
     return result
 
 
-snapshot_download.__signature__ = _SIGNATURE  # type: ignore[attr-defined]
-snapshot_download.__doc__ = (
-    (snapshot_download.__doc__ or "") + "\n\n" + (original_snapshot_download.__doc__ or "")
-)
-
-
 # -- where things are ----------------------------------------------------------------
-
-
-def _repo_type(options: dict[str, Any]) -> str:
-    return str(options.get("repo_type") or "model")
-
-
-def _revision(options: dict[str, Any]) -> str:
-    revision = options.get("revision") or constants.DEFAULT_REVISION
-    # huggingface_hub's ResolvedRevision carries the commit it was resolved to.
-    return str(getattr(revision, "resolved", None) or revision)
 
 
 def _cache_folder(options: dict[str, Any]) -> Path:
     """The repo's folder in the local cache, resolved as the original resolves it."""
     cache_dir = Path(options.get("cache_dir") or constants.HF_HUB_CACHE).expanduser().resolve()
-    name = repo_folder_name(repo_id=options["repo_id"], repo_type=_repo_type(options))
+    name = repo_folder_name(repo_id=options["repo_id"], repo_type=hub_commits.repo_type(options))
     return cache_dir / name
 
 
@@ -149,15 +224,11 @@ def _mirror_for(options: dict[str, Any], settings: Settings) -> Path | None:
     root = Plugins(settings).find_mirror(request)
     if root is None:
         return None
-    name = repo_folder_name(repo_id=options["repo_id"], repo_type=_repo_type(options))
+    name = repo_folder_name(repo_id=options["repo_id"], repo_type=hub_commits.repo_type(options))
     mirror = root / name
     if options.get("local_dir") is None and mirror.resolve() == _cache_folder(options):
         return None
     return mirror
-
-
-def _offline(options: dict[str, Any]) -> bool:
-    return bool(options.get("local_files_only")) or bool(constants.HF_HUB_OFFLINE)
 
 
 def _wanted(paths: Iterable[str], options: dict[str, Any]) -> list[str]:
@@ -169,6 +240,36 @@ def _wanted(paths: Iterable[str], options: dict[str, Any]) -> list[str]:
             ignore_patterns=options.get("ignore_patterns"),
         )
     )
+
+
+def _chooser(call: _Call) -> Callable[[Iterable[str]], list[str]]:
+    """The repo paths a call asks the mirror for, out of a commit's paths."""
+    if call.file is not None:
+        file = call.file
+        return lambda paths: [file] if file in set(paths) else []
+
+    def choose(paths: Iterable[str]) -> list[str]:
+        paths = list(paths)
+        chosen = _wanted(paths, call.options)
+        if chosen or call.options.get("local_dir") is not None:
+            return chosen
+        # A lookup of the snapshot's path alone (vLLM's, offline: ignore_patterns="*")
+        # gets a snapshot a loader can use: its files other than weights.
+        return list(filter_repo_objects(items=paths, ignore_patterns=list(WEIGHT_PATTERNS)))
+
+    return choose
+
+
+def _keep_local_ref(options: dict[str, Any], commit: str) -> None:
+    """Point the local cache's ``refs/<branch>`` at the commit a download was pinned to
+    (the original writes no ref for a pinned revision), so huggingface_hub's own lookups
+    by branch find it offline."""
+    revision = _revision(options)
+    if options.get("local_dir") is not None or hub_mirror.COMMIT.match(revision):
+        return
+    folder = _cache_folder(options)
+    if (folder / "snapshots" / commit).is_dir():
+        hub_mirror.write_ref(folder, revision, commit)
 
 
 # -- mirror -> local -----------------------------------------------------------------
@@ -185,14 +286,17 @@ class _Served:
     unchecked: str = ""  # why the snapshot is served with no listing to check it against
 
 
-def _from_mirror(mirror: Path, options: dict[str, Any], settings: Settings) -> str | None:
-    """Hydrate what the mirror holds for this call; the snapshot path if that was all the
-    call asked for, else None (the original then fetches the rest)."""
-    served = _what_the_mirror_serves(mirror, options, settings)
+def _from_mirror(mirror: Path, call: _Call, commit: str, settings: Settings) -> str | None:
+    """Hydrate what the mirror holds of this call at ``commit``; the path the original
+    would return if that was all the call asked for, else None (the original then
+    fetches the rest)."""
+    options = call.options
+    served = _what_the_mirror_serves(mirror, call, commit, settings)
     if served is None:
         return None
     selection = served.selection
-    commit = selection.commit
+    if call.file is not None and not selection.usable:
+        return None  # not a file of the commit, or not usable: the original says which
     local_dir = options.get("local_dir")
     listing = served.listed and served.stored
     if local_dir is not None:
@@ -216,12 +320,14 @@ def _from_mirror(mirror: Path, options: dict[str, Any], settings: Settings) -> s
     if served.unchecked:
         refused = selection.refused
         left_out = f"; left out {len(refused)} file(s) ({_some(refused)})" if refused else ""
-        log.warning(
-            "loaderplug: the mirror %s has no file listing of %s@%s (commit %s) and %s: "
+        _say_once(
+            mirror,
+            options,
+            f"no file listing of commit {commit}",
+            "loaderplug: the mirror %s has no file listing of %s (commit %s) and %s: "
             "served the %d file(s) its snapshot holds; completeness was not checked%s",
             mirror,
-            options["repo_id"],
-            _revision(options),
+            hub_commits.RepoRevision.of(options),
             commit,
             served.unchecked,
             len(selection.usable),
@@ -235,40 +341,48 @@ def _from_mirror(mirror: Path, options: dict[str, Any], settings: Settings) -> s
             _some(selection.refused),
         )
         return None
+    if call.file is not None and not selection.usable:
+        return None
     if local_dir is not None:
         _record_local_dir_downloads(target, selection)
-        return os.path.realpath(target)
-    snapshot = target / "snapshots" / commit
-    snapshot.mkdir(parents=True, exist_ok=True)  # a selection of nothing: an empty one
-    if not hub_mirror.COMMIT.match(_revision(options)):
-        hub_mirror.write_ref(target, _revision(options), commit)
-    return str(snapshot)
+        where = Path(os.path.realpath(target))
+    else:
+        where = target / "snapshots" / commit
+        where.mkdir(parents=True, exist_ok=True)  # a selection of nothing: an empty one
+        if not hub_mirror.COMMIT.match(_revision(options)):
+            hub_mirror.write_ref(target, _revision(options), commit)
+    return str(where / call.file) if call.file is not None else str(where)
 
 
 def _what_the_mirror_serves(
-    mirror: Path, options: dict[str, Any], settings: Settings
+    mirror: Path, call: _Call, commit: str, settings: Settings
 ) -> _Served | None:
-    """The files of this call the mirror holds, or None (said why) where it cannot serve
-    it. A snapshot without a listing (a mirror written before huggingface_hub 1.22 kept
-    them) gets its listing from the Hub, with one request, kept on the mirror for the
-    next worker; where the Hub cannot give it, the snapshot is served as it is."""
-    revision = _revision(options)
+    """The files of this call the mirror holds at ``commit``, or None (said why) where it
+    cannot serve it. A snapshot without a listing (a mirror written before
+    huggingface_hub 1.22 kept them) gets its listing from the Hub, with one request, kept
+    on the mirror for the next worker; where the Hub cannot give it, the snapshot is
+    served as it is."""
+    options = call.options
+    choose = _chooser(call)
     if not mirror.is_dir():
         _skip(mirror, options, f"it holds no {mirror.name}")
         return None
-    commit = hub_mirror.resolve_commit(mirror, revision)
-    if commit is None:
-        _skip(mirror, options, f"it holds no ref {revision!r} (refs/{revision})")
-        return None
     listing, problem = hub_mirror.inspect_listing(mirror, commit)
     if listing is not None:
-        wanted = _wanted(listing, options)
-        return _Served(hub_mirror.check_selection(mirror, commit, wanted, listing), listed=True)
+        return _Served(hub_mirror.check_selection(mirror, commit, choose(listing), listing), True)
     if problem != hub_mirror.NO_LISTING:
         _skip(mirror, options, f"commit {commit}: {problem}")
         return None
     if not (mirror / "snapshots" / commit).is_dir():
-        _skip(mirror, options, f"it holds no snapshot of commit {commit}")
+        revision = _revision(options)
+        held = hub_mirror.resolve_commit(mirror, revision)
+        if held is None:
+            why = f"it holds no ref {revision!r} (refs/{revision}) nor commit {commit}"
+        else:
+            why = f"it holds no snapshot of commit {commit}" + (
+                f" (its {revision} is {held})" if held != commit else ""
+            )
+        _skip(mirror, options, why)
         return None
     fetched, unchecked = _fetch_listing(commit, options)
     if fetched is not None:
@@ -279,9 +393,9 @@ def _what_the_mirror_serves(
             _skip(mirror, options, f"the Hub's listing of commit {commit} {problem}")
             return None
         stored = _store_listing(mirror, commit, fetched, options, settings)
-        selection = hub_mirror.check_selection(mirror, commit, _wanted(listing, options), listing)
+        selection = hub_mirror.check_selection(mirror, commit, choose(listing), listing)
         return _Served(selection, listed=True, fetched=fetched, stored=stored)
-    selection = hub_mirror.snapshot_selection(mirror, commit, lambda ps: _wanted(ps, options))
+    selection = hub_mirror.snapshot_selection(mirror, commit, choose)
     if selection.refused and not selection.usable:
         why = f"no file it selects is usable ({_some(selection.refused)})"
         _skip(mirror, options, f"commit {commit}, with no listing and {unchecked}: {why}")
@@ -304,14 +418,31 @@ def _say_bypassed(options: dict[str, Any]) -> None:
 def _skip(mirror: Path, options: dict[str, Any], why: str) -> None:
     """Say why the mirror is not used for this call (the original then runs)."""
     then = "huggingface_hub's own cache answers" if _offline(options) else "downloading it"
-    log.warning(
-        "loaderplug: not using the mirror %s for %s@%s: %s; %s",
+    _say_once(
         mirror,
-        options["repo_id"],
-        _revision(options),
+        options,
+        why,
+        "loaderplug: not using the mirror %s for %s: %s; %s",
+        mirror,
+        hub_commits.RepoRevision.of(options),
         why,
         then,
     )
+
+
+_said: set[tuple[str, str, str]] = set()
+_said_lock = threading.Lock()
+
+
+def _say_once(mirror: Path, options: dict[str, Any], why: str, message: str, *args: Any) -> None:
+    """One warning per mirror, repo and reason in a process: a load makes many calls (a
+    config, a tokenizer, each shard) that would each say the same."""
+    key = (str(mirror), str(options["repo_id"]), why)
+    with _said_lock:
+        if key in _said:
+            return
+        _said.add(key)
+    log.warning(message, *args)
 
 
 def _some(refused: dict[str, str]) -> str:
@@ -320,37 +451,33 @@ def _some(refused: dict[str, str]) -> str:
     return some + (f"; and {len(refused) - 3} more" if len(refused) > 3 else "")
 
 
+_listings: dict[tuple[str, str, str, str], dict[str, dict[str, object]]] = {}
+
+
 def _fetch_listing(
     commit: str, options: dict[str, Any]
 ) -> tuple[dict[str, dict[str, object]] | None, str]:
     """The commit's listing from the Hub, with one ``list_repo_tree`` (one request per
-    1000 files), as huggingface_hub fetches it for ``trees/<commit>.json``: entries and
-    "", or None and why the Hub could not give it (offline, unreachable, an error answer:
-    where stock ``snapshot_download`` would serve its own cache unchecked). A proxy error
-    and an unknown commit are raised: the mirror is then not used. A Hub found out of
-    reach is not asked again for a minute."""
+    1000 files) per commit and process, as huggingface_hub fetches it for
+    ``trees/<commit>.json``: entries and "", or None and why the Hub could not give it
+    (offline, unreachable, an error answer: where stock ``snapshot_download`` would serve
+    its own cache unchecked). A proxy error and an unknown commit are raised."""
     if options.get("local_files_only"):
         return None, "local_files_only is set"
     if constants.HF_HUB_OFFLINE:
         return None, "HF_HUB_OFFLINE is set"
-    endpoint = str(options.get("endpoint") or constants.ENDPOINT)
-    last = _outages.get(endpoint)
-    if last is not None and time.monotonic() - last < _OUTAGE_S:
-        # Each request to a Hub out of reach costs huggingface_hub's retries (some 23 s).
-        return None, f"the Hub could not be reached {time.monotonic() - last:.0f} s ago"
-    api = huggingface_hub.HfApi(
-        library_name=options.get("library_name"),
-        library_version=options.get("library_version"),
-        user_agent=options.get("user_agent"),
-        endpoint=options.get("endpoint"),
-        headers=options.get("headers"),
-        token=options.get("token"),
-    )
+    key = hub_commits.RepoRevision.of(options)
+    known = _listings.get((key.endpoint, key.repo_type, key.repo_id, commit))
+    if known is not None:
+        return known, ""
+    down = hub_commits.recent_outage(key.endpoint)
+    if down:
+        return None, down
     try:
-        files = api.list_repo_tree(
-            options["repo_id"], recursive=True, revision=commit, repo_type=_repo_type(options)
+        files = hub_commits.hub_api(options).list_repo_tree(
+            key.repo_id, recursive=True, revision=commit, repo_type=key.repo_type
         )
-        return {
+        listing = {
             f.path: hub_mirror.listing_entry(
                 size=f.size,
                 blob_id=f.blob_id,
@@ -360,22 +487,17 @@ def _fetch_listing(
             )
             for f in files
             if isinstance(f, huggingface_hub.RepoFile)
-        }, ""
+        }
     except (seam.proxy_error(), seam.revision_not_found_error()):
         raise
     except seam.unreachable_errors() as exc:
-        _outages[endpoint] = time.monotonic()
-        return None, f"the Hub could not be reached ({type(exc).__name__}: {exc})"
+        return None, hub_commits.outage(key.endpoint, exc)
     except seam.hub_http_error() as exc:
-        if getattr(getattr(exc, "response", None), "status_code", 0) >= 500:
-            _outages[endpoint] = time.monotonic()
+        if (getattr(getattr(exc, "response", None), "status_code", 0) or 0) >= 500:
+            hub_commits.outage(key.endpoint, exc)
         return None, f"the Hub did not give the listing ({type(exc).__name__}: {exc})"
-
-
-# A Hub endpoint that a listing request found out of reach, and when (time.monotonic()):
-# for _OUTAGE_S after, a mirror snapshot without a listing is served without asking again.
-_OUTAGE_S = 60.0
-_outages: dict[str, float] = {}
+    _listings[(key.endpoint, key.repo_type, key.repo_id, commit)] = listing
+    return listing, ""
 
 
 def _store_listing(
@@ -415,23 +537,36 @@ def _record_local_dir_downloads(local_dir: Path, selection: hub_mirror.Selection
 # -- local -> mirror -----------------------------------------------------------------
 
 
-def _to_mirror(mirror: Path, options: dict[str, Any], settings: Settings) -> None:
+def _to_mirror(mirror: Path, call: _Call, commit: str | None, settings: Settings) -> None:
+    """Copy what the call downloaded to the mirror (blobs, links, listing, then the ref).
+    A single file's download leaves no listing behind: it is fetched (once per commit
+    and process) and kept beside the file, as a snapshot download would have."""
+    options = call.options
     local_dir = options.get("local_dir")
     revision = _revision(options)
     if local_dir is not None:
         source = Path(local_dir).expanduser().resolve()
-        commit = _local_dir_commit(source) if not hub_mirror.COMMIT.match(revision) else revision
+        commit = commit or (revision if hub_mirror.COMMIT.match(revision) else None)
+        commit = commit or _local_dir_commit(source)
+        listing_folder = source / seam.LOCAL_DIR_META
     else:
         source = _cache_folder(options)
-        commit = hub_mirror.resolve_commit(source, revision)
+        commit = commit or hub_mirror.resolve_commit(source, revision)
+        listing_folder = source
     if commit is None:
         raise RuntimeError(f"cannot tell which commit {revision!r} was downloaded")
+    if call.file is not None and hub_mirror.read_listing(listing_folder, commit) is None:
+        fetched, why = _fetch_listing(commit, options)
+        if fetched is None:
+            raise RuntimeError(f"no file listing of commit {commit} to fill it with ({why})")
+        hub_mirror.write_listing(listing_folder, commit, fetched, fsync=settings.fsync)
+    choose = _chooser(call) if call.file is not None else (lambda ps: _wanted(ps, options))
     report = hub_mirror.sync_snapshot(
         source,
         mirror,
         commit,
         revision,
-        lambda paths: _wanted(paths, options),
+        choose,
         settings,
         local_dir=local_dir is not None,
     )
@@ -453,40 +588,65 @@ def _local_dir_commit(local_dir: Path) -> str | None:
 
 # -- install -------------------------------------------------------------------------
 
+# Modules whose references stay the originals': ours, and huggingface_hub's snapshot
+# module, whose snapshot_download calls hf_hub_download once per file it fetches.
+_KEEP_ORIGINAL = {("huggingface_hub._snapshot_download", "hf_hub_download")}
+
 
 def install() -> None:
-    """Route ``snapshot_download`` through loaderplug in every namespace holding the
-    original: the ``huggingface_hub`` package, its ``_snapshot_download`` module (which
-    ``HfApi.snapshot_download`` calls), and modules that imported the name earlier
-    (vLLM's ``weight_utils``, for one). Idempotent; :func:`uninstall` undoes it."""
+    """Route ``snapshot_download`` and ``hf_hub_download`` through loaderplug in every
+    namespace holding an original: the ``huggingface_hub`` package, its
+    ``_snapshot_download`` and ``file_download`` modules (which ``HfApi``'s methods
+    import them from at call time), and modules that imported the names earlier
+    (transformers, vLLM). Idempotent; :func:`uninstall` undoes it."""
     if _installed:
         return
-    huggingface_hub.snapshot_download  # noqa: B018 - resolve the lazy attribute first
+    ours = {
+        original_snapshot_download: snapshot_download,
+        original_hf_hub_download: hf_hub_download,
+    }
+    for name in ("snapshot_download", "hf_hub_download"):
+        getattr(huggingface_hub, name)  # resolve the lazy attributes first
     for module in list(sys.modules.values()):
-        if module is sys.modules[__name__]:  # our own reference to the original stays
+        if module is sys.modules[__name__]:  # our own references to the originals stay
             continue
-        for name in _names_holding_original(module):
-            setattr(module, name, snapshot_download)
-            _installed.append((module, name))
-    if (huggingface_hub, "snapshot_download") not in _installed:
-        setattr(huggingface_hub, "snapshot_download", snapshot_download)  # noqa: B010
-        _installed.append((huggingface_hub, "snapshot_download"))
+        for name, original in _names_holding_originals(module, ours):
+            if (module.__name__, name) in _KEEP_ORIGINAL:
+                continue
+            setattr(module, name, ours[original])
+            _installed.append((module, name, original))
+    for name, original in (
+        ("snapshot_download", original_snapshot_download),
+        ("hf_hub_download", original_hf_hub_download),
+    ):
+        if getattr(huggingface_hub, name) is not ours[original]:
+            setattr(huggingface_hub, name, ours[original])
+            _installed.append((huggingface_hub, name, original))
 
 
-def _names_holding_original(module: Any) -> list[str]:
+def _names_holding_originals(
+    module: Any, originals: dict[Callable[..., Any], Callable[..., Any]]
+) -> list[tuple[str, Callable[..., Any]]]:
     try:
         namespace = vars(module)
     except TypeError:
         return []
-    return [n for n, v in list(namespace.items()) if v is original_snapshot_download]
+    found = []
+    for name, value in list(namespace.items()):
+        try:
+            if value in originals:
+                found.append((name, value))
+        except TypeError:  # an unhashable value
+            continue
+    return found
 
 
 def uninstall() -> None:
-    """Put the original ``snapshot_download`` back wherever :func:`install` replaced it."""
+    """Put the originals back wherever :func:`install` replaced them."""
     while _installed:
-        module, name = _installed.pop()
-        if getattr(module, name, None) is snapshot_download:
-            setattr(module, name, original_snapshot_download)
+        module, name, original = _installed.pop()
+        if getattr(module, name, None) in (snapshot_download, hf_hub_download):
+            setattr(module, name, original)
 
 
 def is_installed() -> bool:

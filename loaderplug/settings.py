@@ -200,6 +200,13 @@ class Settings:
         True,
         "After a Hub download that the mirror could not serve, copy it to the mirror.",
     )
+    trust_mirror_ref: bool = _setting(
+        "bool",
+        False,
+        "Hub downloads take the commit a branch names from the mirror's refs/<branch> "
+        "without asking the Hub (no request; a branch that moved on the Hub is not seen). "
+        "Off: one request per repo and process asks the Hub, as huggingface_hub does.",
+    )
     sync_wait_s: int = _setting(
         "int",
         600,

@@ -69,7 +69,61 @@ PROXY_ERROR = Symbol(
     "httpx2.ProxyError",
     "a proxy error is not taken for an outage (stock snapshot_download raises it)",
 )
+HF_HUB_DOWNLOAD = Symbol(
+    "huggingface_hub.file_download",
+    "hf_hub_download",
+    "the original hf_hub_download that loaderplug wraps; HfApi.hf_hub_download imports "
+    "it from this module at call time, so install() rebinds it here",
+)
+# The cache-wide store of Xet-backed files (huggingface_hub >= 2.x): the mirror is read
+# and filled through these, so a change of that layout fails a test, not a worker.
+SHARED_BLOB_TARGET = Symbol(
+    "huggingface_hub.utils._shared_blobs",
+    "shared_blob_target",
+    "a repo's blobs/<etag> that links into the cache-wide Xet store is followed there "
+    "(and only there)",
+)
+IS_SHARED_BLOBS_DIR = Symbol(
+    "huggingface_hub.utils._shared_blobs",
+    "is_shared_blobs_dir",
+    "a store is followed only when it carries huggingface_hub's marker",
+)
+SHARED_BLOBS_DIR = Symbol(
+    "huggingface_hub.utils._shared_blobs",
+    "shared_blobs_dir",
+    "where a cache keeps its Xet store (<cache>/blobs)",
+)
 # Public API, recorded with the versions it was checked in.
+VALIDATE_HF_HUB_ARGS = Symbol(
+    "huggingface_hub.utils",
+    "validate_hf_hub_args",
+    "the wrappers check repo ids and drop legacy arguments exactly as the originals do",
+    public=True,
+)
+RESOLVED_REVISION_CLASS = Symbol(
+    "huggingface_hub",
+    "ResolvedRevision",
+    "a download the mirror cannot serve goes to the Hub pinned to the commit the load uses",
+    public=True,
+)
+REPO_INFO = Symbol(
+    "huggingface_hub",
+    "HfApi.repo_info",
+    "the one request per repo and process that learns which commit a branch names",
+    public=True,
+)
+REPOSITORY_NOT_FOUND_ERROR = Symbol(
+    "huggingface_hub.errors",
+    "RepositoryNotFoundError",
+    "the Hub says the repo does not exist (or is private): said once, the mirror answers",
+    public=True,
+)
+PUBLIC_HF_HUB_DOWNLOAD = Symbol(
+    "huggingface_hub",
+    "hf_hub_download",
+    "the name most callers use; install() rebinds it",
+    public=True,
+)
 PUBLIC_SNAPSHOT_DOWNLOAD = Symbol(
     "huggingface_hub",
     "snapshot_download",
@@ -154,6 +208,15 @@ RESOLVED_REVISION = Symbol(
 
 SYMBOLS = (
     SNAPSHOT_DOWNLOAD,
+    HF_HUB_DOWNLOAD,
+    SHARED_BLOB_TARGET,
+    IS_SHARED_BLOBS_DIR,
+    SHARED_BLOBS_DIR,
+    VALIDATE_HF_HUB_ARGS,
+    RESOLVED_REVISION_CLASS,
+    REPO_INFO,
+    REPOSITORY_NOT_FOUND_ERROR,
+    PUBLIC_HF_HUB_DOWNLOAD,
     WRITE_DOWNLOAD_METADATA,
     REPO_FOLDER_NAME,
     TREE_CACHE_FORMAT_VERSION,
@@ -189,6 +252,41 @@ def snapshot_download() -> Callable[..., Any]:
     """The ``snapshot_download`` of ``huggingface_hub._snapshot_download``, as it is now:
     after loaderplug's ``install()`` that is loaderplug's, so keep the first one."""
     return cast("Callable[..., Any]", UPSTREAM.get(SNAPSHOT_DOWNLOAD))
+
+
+def hf_hub_download() -> Callable[..., Any]:
+    """The ``hf_hub_download`` of ``huggingface_hub.file_download``, as it is now: after
+    loaderplug's ``install()`` that is loaderplug's, so keep the first one."""
+    return cast("Callable[..., Any]", UPSTREAM.get(HF_HUB_DOWNLOAD))
+
+
+def validate_hf_hub_args() -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """The decorator of every download function: repo id checks, legacy arguments dropped."""
+    return cast(
+        "Callable[[Callable[..., Any]], Callable[..., Any]]", UPSTREAM.get(VALIDATE_HF_HUB_ARGS)
+    )
+
+
+def resolved_revision() -> Callable[..., str]:
+    """``ResolvedRevision(resolved, initial, repo_id, repo_type)``: a ``str`` pinned to a commit."""
+    return cast("Callable[..., str]", UPSTREAM.get(RESOLVED_REVISION_CLASS))
+
+
+def shared_blob_target() -> Callable[[Path, Path], Path | None]:
+    """``shared_blob_target(blob_path, cache_dir)``: the store file a managed link names."""
+    return cast("Callable[[Path, Path], Path | None]", UPSTREAM.get(SHARED_BLOB_TARGET))
+
+
+def is_shared_blobs_dir() -> Callable[[Path], bool]:
+    return cast("Callable[[Path], bool]", UPSTREAM.get(IS_SHARED_BLOBS_DIR))
+
+
+def shared_blobs_dir() -> Callable[[Path], Path]:
+    return cast("Callable[[Path], Path]", UPSTREAM.get(SHARED_BLOBS_DIR))
+
+
+def repository_not_found_error() -> type[BaseException]:
+    return cast("type[BaseException]", UPSTREAM.get(REPOSITORY_NOT_FOUND_ERROR))
 
 
 def write_download_metadata() -> Callable[[Path, str, str, str], None]:
