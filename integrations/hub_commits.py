@@ -76,6 +76,13 @@ def revision(options: dict[str, Any]) -> str:
     return str(getattr(named, "resolved", None) or named)
 
 
+def ref_name(options: dict[str, Any]) -> str | None:
+    """The branch or tag a call names (a ``ResolvedRevision`` names the one it was
+    resolved from), whose ref a cache keeps; None for a commit."""
+    named = str(options.get("revision") or constants.DEFAULT_REVISION)
+    return None if hub_mirror.COMMIT.match(named) else named
+
+
 def offline(options: dict[str, Any]) -> bool:
     return bool(options.get("local_files_only")) or bool(constants.HF_HUB_OFFLINE)
 

@@ -377,6 +377,24 @@ def write_ref(folder: Path, revision: str, commit: str) -> None:
     os.replace(temp, ref)
 
 
+def link_snapshot(folder: Path, commit: str, files: Iterable[RepoFile]) -> int:
+    """Give ``snapshots/<commit>/`` the links it lacks to blobs the folder holds (a new
+    commit whose unchanged files were served from the old one's blobs), so stock
+    huggingface_hub finds the whole snapshot offline. Each link appears whole (made
+    aside, then renamed); returns how many were made."""
+    made = 0
+    for f in files:
+        link = folder / "snapshots" / commit / f.path
+        if os.path.lexists(link) or not (folder / "blobs" / f.blob).exists():
+            continue
+        link.parent.mkdir(parents=True, exist_ok=True)
+        temp = link.with_name(f".{link.name}.{secrets.token_hex(6)}.link")
+        os.symlink(link_target(f.path, f.blob), temp)
+        os.replace(temp, link)
+        made += 1
+    return made
+
+
 def sync_snapshot(
     local: Path,
     mirror: Path,

@@ -171,15 +171,18 @@ def _download(call: _Call) -> Any:
         return call.run_original()
     mirror: Path | None = None
     commit: str | None = None
+    served: str | None = None
     try:
         settings = from_env()
         mirror = _mirror_for(options, settings)
-        commit = hub_commits.pinned(options, mirror, settings)
-        served = None
+        if mirror is not None:
+            commit = hub_commits.pinned(options, mirror, settings)
         if mirror is not None and commit is not None:
             served = _from_mirror(mirror, call, commit, settings)
     except seam.revision_not_found_error():
         return call.run_original()  # the Hub's own error, as stock raises it
+    except _NotInCommit as absent:
+        raise absent.error() from None
     except Exception as exc:
         log.warning(
             "loaderplug: the mirror %s could not serve %s (%s); downloading it instead",
@@ -188,12 +191,14 @@ def _download(call: _Call) -> Any:
             exc,
         )
         return call.run_original(commit)
+    if mirror is None:  # no mirror: the call is the original's alone
+        return call.run_original()
     if served is not None:
         return served
     result = call.run_original(commit)
     if commit is not None:
         _keep_local_ref(options, commit)
-    if mirror is not None and settings.sync and not _offline(options):
+    if settings.sync and not _offline(options):
         try:
             _to_mirror(mirror, call, commit, settings)
         except Exception as exc:
@@ -264,15 +269,49 @@ def _keep_local_ref(options: dict[str, Any], commit: str) -> None:
     """Point the local cache's ``refs/<branch>`` at the commit a download was pinned to
     (the original writes no ref for a pinned revision), so huggingface_hub's own lookups
     by branch find it offline."""
-    revision = _revision(options)
-    if options.get("local_dir") is not None or hub_mirror.COMMIT.match(revision):
+    ref = hub_commits.ref_name(options)
+    if options.get("local_dir") is not None or ref is None:
         return
     folder = _cache_folder(options)
     if (folder / "snapshots" / commit).is_dir():
-        hub_mirror.write_ref(folder, revision, commit)
+        hub_mirror.write_ref(folder, ref, commit)
 
 
 # -- mirror -> local -----------------------------------------------------------------
+
+
+class _NotInCommit(Exception):
+    """The mirror's listing of the pinned commit has no such file: the Hub would answer
+    404, so the call is answered so without asking it."""
+
+    def __init__(self, call: _Call, commit: str, mirror: Path) -> None:
+        super().__init__(call.file)
+        self.call, self.commit, self.mirror = call, commit, mirror
+
+    def error(self) -> BaseException:
+        """What stock ``hf_hub_download`` raises for a 404, with ``.no_exist/`` recorded
+        as it records it (transformers then skips the file without a call)."""
+        import httpx2  # huggingface_hub's HTTP client
+
+        options, file = self.call.options, str(self.call.file)
+        if options.get("local_dir") is None:
+            marker = _cache_folder(options) / ".no_exist" / self.commit / file
+            with contextlib.suppress(OSError):
+                marker.parent.mkdir(parents=True, exist_ok=True)
+                marker.touch()
+        url = constants.HUGGINGFACE_CO_URL_TEMPLATE.format(
+            repo_id=options["repo_id"], revision=self.commit, filename=file
+        )
+        response = httpx2.Response(
+            404,
+            headers={"X-Error-Code": "EntryNotFound", "X-Repo-Commit": self.commit},
+            request=httpx2.Request("HEAD", url),
+        )
+        message = (
+            f"{file} is not a file of {options['repo_id']} at commit {self.commit} "
+            f"(the file listing of that commit on the mirror {self.mirror} says so)"
+        )
+        return seam.remote_entry_not_found_error()(message, response=response)
 
 
 @dataclass
@@ -334,7 +373,10 @@ def _from_mirror(mirror: Path, call: _Call, commit: str, settings: Settings) -> 
             left_out,
         )
     elif selection.refused:
-        log.warning(
+        _say_once(
+            mirror,
+            options,
+            "could not serve",
             "loaderplug: the mirror could not serve %d file(s) of %s (%s); downloading them",
             len(selection.refused),
             options["repo_id"],
@@ -343,15 +385,25 @@ def _from_mirror(mirror: Path, call: _Call, commit: str, settings: Settings) -> 
         return None
     if call.file is not None and not selection.usable:
         return None
+    if served.listed and settings.sync:
+        _complete_mirror_snapshot(mirror, selection)
     if local_dir is not None:
         _record_local_dir_downloads(target, selection)
         where = Path(os.path.realpath(target))
     else:
         where = target / "snapshots" / commit
         where.mkdir(parents=True, exist_ok=True)  # a selection of nothing: an empty one
-        if not hub_mirror.COMMIT.match(_revision(options)):
-            hub_mirror.write_ref(target, _revision(options), commit)
+        _keep_local_ref(options, commit)
     return str(where / call.file) if call.file is not None else str(where)
+
+
+def _complete_mirror_snapshot(mirror: Path, selection: hub_mirror.Selection) -> None:
+    """A commit whose files the mirror's blobs already held (most of them, when a new
+    commit changed a config) gets its snapshot links there too; best effort."""
+    try:
+        hub_mirror.link_snapshot(mirror, selection.commit, selection.usable)
+    except OSError as exc:
+        log.debug("loaderplug: snapshot links on the mirror %s not made: %s", mirror, exc)
 
 
 def _what_the_mirror_serves(
@@ -369,6 +421,8 @@ def _what_the_mirror_serves(
         return None
     listing, problem = hub_mirror.inspect_listing(mirror, commit)
     if listing is not None:
+        if call.file is not None and call.file not in listing:
+            raise _NotInCommit(call, commit, mirror)
         return _Served(hub_mirror.check_selection(mirror, commit, choose(listing), listing), True)
     if problem != hub_mirror.NO_LISTING:
         _skip(mirror, options, f"commit {commit}: {problem}")
@@ -565,7 +619,7 @@ def _to_mirror(mirror: Path, call: _Call, commit: str | None, settings: Settings
         source,
         mirror,
         commit,
-        revision,
+        hub_commits.ref_name(options) or commit,
         choose,
         settings,
         local_dir=local_dir is not None,

@@ -15,16 +15,19 @@ ignore_patterns=...)`` asks of a model repo, and what this server answers:
   ``<tree cache folder>/trees/<commit>.json`` is not on disk yet. A JSON list of
   ``{"type": "file", "oid": <git blob sha1>, "size": n, "path": p}`` (LFS files add
   ``"lfs": {"oid": <sha256>, "size": n, "pointerSize": m}``, their ``oid`` being the pointer blob's)
-  and ``{"type": "directory", "oid": <git tree sha1>, "size": 0, "path": p}``. No ``xetHash``: with
-  one (and ``hf_xet`` installed and Xet not disabled) the client would skip the HEAD and download
-  through Xet. Paginated like the Hub: ``Link: <...&cursor=N>; rel="next"`` (``tree_page_size``).
+  and ``{"type": "directory", "oid": <git tree sha1>, "size": 0, "path": p}``. With
+  ``announce_xet`` set, LFS files also carry a ``xetHash`` (as nearly every model file on the Hub
+  does today), which the client keeps in ``trees/<commit>.json``; with ``hf_xet`` installed and
+  Xet not disabled it would then download through Xet, which this server cannot serve (see
+  :func:`share_blobs`), so clients keep ``HF_HUB_DISABLE_XET=1`` and fetch over HTTP. Paginated like the Hub: ``Link: <...&cursor=N>; rel="next"`` (``tree_page_size``).
 * ``HEAD /{repo_id}/resolve/{quote(revision, safe="")}/{quote(filename)}`` per file (the client
   always passes the commit sha as revision here), sent with ``Accept-Encoding: identity`` and
   redirects not followed off-host. Needed headers: ``X-Repo-Commit`` (else ``FileMetadataError``),
   ``ETag`` (git blob sha1, quoted) and, for LFS files, ``X-Linked-Etag`` (quoted sha256, preferred
   over ``ETag``) and ``X-Linked-Size``; otherwise ``Content-Length`` gives the size. The normalised
   etag names the blob: ``blobs/<sha1>`` for regular files, ``blobs/<sha256>`` for LFS files. No
-  ``X-Xet-Hash`` / ``Link: <...>; rel="xet-auth"`` header, so the client never takes the Xet path.
+  ``X-Xet-Hash`` header unless ``announce_xet`` is set (then with ``X-Xet-Refresh-Route``; a
+  client with Xet disabled takes the plain HTTP path all the same).
 * ``GET`` on the same URL (no ``Range`` unless resuming; ``Range: bytes=a-b`` / ``a-`` / ``-n`` get
   a 206 with ``Content-Range``). The body size must match the HEAD size.
 * Errors carry ``X-Error-Code`` the way the client maps them: ``RepoNotFound``,
@@ -68,6 +71,41 @@ _RANGE = re.compile(r"bytes=(\d*)-(\d*)")
 def git_blob_sha1(data: bytes) -> str:
     """The git object id of a blob holding ``data``."""
     return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+
+
+def xet_hash(data: bytes) -> str:
+    """A stand-in for a file's Xet hash (64 lowercase hex digits, as the client checks).
+    The real one is a Merkle hash of the file's content-defined chunks; nothing on the
+    client's plain HTTP path or in its cache recomputes it."""
+    return hashlib.sha256(b"xet\0" + data).hexdigest()
+
+
+def share_blobs(cache_dir: Path) -> int:
+    """Lay the cache ``cache_dir`` out as huggingface_hub >= 2.x leaves it after Xet
+    downloads: every blob whose listing entry has a Xet hash moves into the cache-wide
+    store (``blobs/<2 hex>/<xet hash>``, its ``.refs`` manifest, the store's marker),
+    and the repo's ``blobs/<etag>`` becomes a relative link to it. Done by huggingface_hub's
+    own ``publish_blob_to_shared_store``, the function its Xet download path calls.
+
+    This server cannot serve the Xet path itself: the client's ``hf_xet`` fetches content
+    from a CAS service (a reconstruction API, then xorbs of compressed chunks), not from
+    ``/resolve/``. Returns how many blobs were shared."""
+    from huggingface_hub.utils._shared_blobs import publish_blob_to_shared_store
+
+    shared = 0
+    for repo in sorted(cache_dir.glob("*--*")):
+        for tree in sorted((repo / "trees").glob("*.json")):
+            for entry in json.loads(tree.read_text())["files"].values():
+                xet = entry.get("xet_hash")
+                blob = repo / "blobs" / str(entry.get("lfs_sha256") or entry["blob_id"])
+                if not xet or not blob.is_file() or blob.is_symlink():
+                    continue
+                size = entry.get("lfs_size") or entry["size"]
+                assert publish_blob_to_shared_store(
+                    blob_path=str(blob), xet_hash=xet, cache_dir=cache_dir, expected_size=size
+                ), f"huggingface_hub did not share {blob}"
+                shared += 1
+    return shared
 
 
 def _git_object_sha1(kind: bytes, body: bytes) -> str:
@@ -201,6 +239,7 @@ class HubServer:
         self.endpoint = ""  # "http://127.0.0.1:PORT" once started
         self.requests: list[tuple[str, str]] = []  # (method, raw request path with query)
         self.tree_page_size = 1000  # entries per /tree page, as on the Hub
+        self.announce_xet = False  # LFS files carry a Xet hash (listings, HEAD answers)
         self._lock = threading.Lock()
         self._repos: dict[str, _Repo] = {}
         self._commits = 0
@@ -407,6 +446,8 @@ class HubServer:
                         "size": len(f.data),
                         "pointerSize": f.pointer_size,
                     }
+                    if self.announce_xet:
+                        entry["xetHash"] = xet_hash(f.data)
                 entry["path"] = f.path
                 entries.append(entry)
         entries.sort(key=lambda e: str(e["path"]))
@@ -437,6 +478,9 @@ class HubServer:
         if f.lfs:
             headers["X-Linked-Etag"] = f'"{f.sha256}"'
             headers["X-Linked-Size"] = str(size)
+            if self.announce_xet:
+                headers["X-Xet-Hash"] = xet_hash(f.data)
+                headers["X-Xet-Refresh-Route"] = f"/api/models/{repo_id}/xet-read-token/{revision}"
         match = _RANGE.fullmatch(range_header.strip()) if range_header else None
         if match is None or match.group(1) == match.group(2) == "":
             return 200, headers, f.data

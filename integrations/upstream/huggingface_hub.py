@@ -118,6 +118,13 @@ REPOSITORY_NOT_FOUND_ERROR = Symbol(
     "the Hub says the repo does not exist (or is private): said once, the mirror answers",
     public=True,
 )
+REMOTE_ENTRY_NOT_FOUND_ERROR = Symbol(
+    "huggingface_hub.errors",
+    "RemoteEntryNotFoundError",
+    "a file the mirror's listing of the pinned commit lacks is answered as the Hub "
+    "answers it (and recorded in .no_exist/), with no request",
+    public=True,
+)
 PUBLIC_HF_HUB_DOWNLOAD = Symbol(
     "huggingface_hub",
     "hf_hub_download",
@@ -216,6 +223,7 @@ SYMBOLS = (
     RESOLVED_REVISION_CLASS,
     REPO_INFO,
     REPOSITORY_NOT_FOUND_ERROR,
+    REMOTE_ENTRY_NOT_FOUND_ERROR,
     PUBLIC_HF_HUB_DOWNLOAD,
     WRITE_DOWNLOAD_METADATA,
     REPO_FOLDER_NAME,
@@ -287,6 +295,11 @@ def shared_blobs_dir() -> Callable[[Path], Path]:
 
 def repository_not_found_error() -> type[BaseException]:
     return cast("type[BaseException]", UPSTREAM.get(REPOSITORY_NOT_FOUND_ERROR))
+
+
+def remote_entry_not_found_error() -> Callable[..., BaseException]:
+    """``RemoteEntryNotFoundError(message, response=...)``, an ``EntryNotFoundError``."""
+    return cast("Callable[..., BaseException]", UPSTREAM.get(REMOTE_ENTRY_NOT_FOUND_ERROR))
 
 
 def write_download_metadata() -> Callable[[Path, str, str, str], None]:
