@@ -81,6 +81,7 @@ try:
     # The functions this module wraps, as huggingface_hub defines them.
     original_snapshot_download: Callable[..., Any] = seam.snapshot_download()
     original_hf_hub_download: Callable[..., Any] = seam.hf_hub_download()
+    original_try_to_load_from_cache: Callable[..., Any] = seam.try_to_load_from_cache()
 except ImportError as exc:  # pragma: no cover - the message is the point
     raise ImportError(
         "loaderplug.integrations.huggingface_hub needs huggingface_hub: "
@@ -162,6 +163,36 @@ def _wrap(original: Callable[..., Any], file_call: bool) -> Callable[..., Any]:
 
 snapshot_download = _wrap(original_snapshot_download, file_call=False)
 hf_hub_download = _wrap(original_hf_hub_download, file_call=True)
+
+
+@functools.wraps(original_try_to_load_from_cache)
+def try_to_load_from_cache(*args: Any, **kwargs: Any) -> Any:
+    """``huggingface_hub.try_to_load_from_cache``, where the mirror counts as cache: a
+    file the local cache lacks and the mirror holds at the commit this process uses is
+    hydrated and its path returned (vLLM asks this before it lists a repo's files on the
+    Hub, so a worker starts with the Hub down). Nothing is downloaded from the Hub."""
+    found = original_try_to_load_from_cache(*args, **kwargs)
+    if found is not None:
+        return found
+    asked = inspect.signature(original_try_to_load_from_cache).bind(*args, **kwargs)
+    asked.apply_defaults()
+    # The download that would have put the file in the cache, served by the mirror alone.
+    as_download = inspect.signature(original_hf_hub_download).bind(**asked.arguments)
+    as_download.apply_defaults()
+    call = _Call(original_hf_hub_download, as_download, str(asked.arguments["filename"]))
+    try:
+        settings = from_env()
+        mirror = _mirror_for(call.options, settings)
+        commit = hub_commits.pinned(call.options, mirror, settings) if mirror else None
+        if mirror is None or commit is None:
+            return None
+        return _from_mirror(mirror, call, commit, settings)
+    except _NotInCommit as absent:
+        absent.error()  # records .no_exist/ as a download would
+        return seam.cached_no_exist()
+    except Exception as exc:  # a lookup never fails for the mirror's sake
+        log.debug("loaderplug: the mirror could not answer a cache lookup: %s", exc)
+        return None
 
 
 def _download(call: _Call) -> Any:
@@ -640,27 +671,62 @@ def _local_dir_commit(local_dir: Path) -> str | None:
     return None
 
 
+# -- for loaders ---------------------------------------------------------------------
+
+
+def pinned_commit(repo_id: str, revision: str | None, settings: Settings) -> str | None:
+    """The commit this process loads ``repo_id`` at (see :mod:`.hub_commits`), or None
+    where neither the Hub nor the mirror can say."""
+    options: dict[str, Any] = {"repo_id": repo_id, "revision": revision}
+    return hub_commits.pinned(options, _mirror_for(options, settings), settings)
+
+
+def offline() -> bool:
+    return bool(constants.HF_HUB_OFFLINE)
+
+
+def download_weights(
+    repo_id: str, revision: str | None, commit: str | None, patterns: list[str]
+) -> Path:
+    """The local snapshot holding the files ``patterns`` select, downloaded at ``commit``
+    where it is known (from the mirror, or the Hub, which fills the mirror)."""
+    pinned = revision
+    if commit is not None:
+        pinned = seam.resolved_revision()(commit, revision, repo_id, None)
+    return Path(snapshot_download(repo_id, revision=pinned, allow_patterns=patterns))
+
+
 # -- install -------------------------------------------------------------------------
 
-# Modules whose references stay the originals': ours, and huggingface_hub's snapshot
-# module, whose snapshot_download calls hf_hub_download once per file it fetches.
-_KEEP_ORIGINAL = {("huggingface_hub._snapshot_download", "hf_hub_download")}
+# References that stay the originals: huggingface_hub's snapshot module calls
+# hf_hub_download once per file it fetches, and its local_dir download looks in the
+# cache with try_to_load_from_cache; both are inside a call already routed here.
+_KEEP_ORIGINAL = {
+    ("huggingface_hub._snapshot_download", "hf_hub_download"),
+    ("huggingface_hub.file_download", "try_to_load_from_cache"),
+}
+
+
+def _wrappers() -> dict[Callable[..., Any], Callable[..., Any]]:
+    """Each original, and what takes its place."""
+    return {
+        original_snapshot_download: snapshot_download,
+        original_hf_hub_download: hf_hub_download,
+        original_try_to_load_from_cache: try_to_load_from_cache,
+    }
 
 
 def install() -> None:
-    """Route ``snapshot_download`` and ``hf_hub_download`` through loaderplug in every
-    namespace holding an original: the ``huggingface_hub`` package, its
-    ``_snapshot_download`` and ``file_download`` modules (which ``HfApi``'s methods
-    import them from at call time), and modules that imported the names earlier
+    """Route ``snapshot_download``, ``hf_hub_download`` and ``try_to_load_from_cache``
+    through loaderplug in every namespace holding an original: the ``huggingface_hub``
+    package, its ``_snapshot_download`` and ``file_download`` modules (which ``HfApi``'s
+    methods import them from at call time), and modules that imported the names earlier
     (transformers, vLLM). Idempotent; :func:`uninstall` undoes it."""
     if _installed:
         return
-    ours = {
-        original_snapshot_download: snapshot_download,
-        original_hf_hub_download: hf_hub_download,
-    }
-    for name in ("snapshot_download", "hf_hub_download"):
-        getattr(huggingface_hub, name)  # resolve the lazy attributes first
+    ours = _wrappers()
+    for original in ours:
+        getattr(huggingface_hub, original.__name__)  # resolve the lazy attributes first
     for module in list(sys.modules.values()):
         if module is sys.modules[__name__]:  # our own references to the originals stay
             continue
@@ -669,13 +735,10 @@ def install() -> None:
                 continue
             setattr(module, name, ours[original])
             _installed.append((module, name, original))
-    for name, original in (
-        ("snapshot_download", original_snapshot_download),
-        ("hf_hub_download", original_hf_hub_download),
-    ):
-        if getattr(huggingface_hub, name) is not ours[original]:
-            setattr(huggingface_hub, name, ours[original])
-            _installed.append((huggingface_hub, name, original))
+    for original, wrapper in ours.items():
+        if getattr(huggingface_hub, original.__name__) is not wrapper:
+            setattr(huggingface_hub, original.__name__, wrapper)
+            _installed.append((huggingface_hub, original.__name__, original))
 
 
 def _names_holding_originals(
@@ -697,9 +760,10 @@ def _names_holding_originals(
 
 def uninstall() -> None:
     """Put the originals back wherever :func:`install` replaced them."""
+    wrappers = set(_wrappers().values())
     while _installed:
         module, name, original = _installed.pop()
-        if getattr(module, name, None) in (snapshot_download, hf_hub_download):
+        if getattr(module, name, None) in wrappers:
             setattr(module, name, original)
 
 

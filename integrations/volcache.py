@@ -8,8 +8,11 @@ A model is named as a serving framework names it: a folder, or a Hub repo id.
   ``LOADERPLUG_LOCAL_DIR`` and streamed as they land, each byte read from the volume
   once. A later start on the same host finds the copy current and reads it instead.
 * A folder on local disk is read where it is.
-* A repo id is looked up in the local Hugging Face cache, then on the mirror (its Hub
-  layout ``<volume>/hub``, then ``<volume>/models/<repo id>``).
+* A repo id is pinned to one commit (the one vLLM read its config of: see
+  :mod:`loaderplug.integrations.hub_commits`), then looked up at that commit in the
+  local Hugging Face cache, then on the mirror (its Hub layout ``<volume>/hub``, then
+  ``<volume>/models/<repo id>``), and failing both downloaded from the Hub as vLLM's
+  own loader would, which fills the mirror for the next worker.
 
 Weights are chosen the way vLLM's default loader chooses them: the folder's
 ``*.safetensors`` (never ``original/``), restricted to the files the index's
@@ -46,6 +49,8 @@ if TYPE_CHECKING:
     import torch
 
 INDEX_NAME = "model.safetensors.index.json"
+# What a download of the weights fetches, as vLLM's default loader fetches safetensors.
+WEIGHT_PATTERNS = ("*.safetensors", INDEX_NAME)
 _REPO_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
 log = logging.getLogger(__name__)
 
@@ -88,26 +93,44 @@ def weight_files(folder: Path) -> list[Path]:
 def locate_weights(model: str, revision: str | None, settings: Settings) -> ModelWeights:
     """Decide where ``model``'s weights are read from, and whether they are hydrated."""
     folder = Path(model).expanduser()
-    if folder.is_dir():
+    snapshot = _snapshot_without_weights(folder) if folder.is_dir() else None
+    if snapshot is not None:
+        # vLLM offline names a repo by the snapshot a path lookup gave it (its config and
+        # tokenizer, not its weights): load that repo at that commit.
+        model, revision = snapshot
+    elif folder.is_dir():
         folder = folder.resolve()
         mirrored = is_mirror(folder, settings)
         copy = local_copy(folder, settings) if mirrored else None
         return ModelWeights(model, folder, weight_files(folder), copy)
     if not _REPO_ID.match(model):
         raise WeightsError(f"{model}: neither a folder nor a Hub repo id")
-    cached = _in_hf_cache(model, revision)
+    hub = _hub_integration()
+    # The commit the rest of this process's load uses (vLLM read the config of it).
+    commit = hub.pinned_commit(model, revision, settings) if hub is not None else None
+    cached = _in_hf_cache(model, commit or revision)
     if cached is not None:
         try:
             return ModelWeights(model, cached, weight_files(cached), None)
         except WeightsError:  # a snapshot holding only the config: look on the mirror
             pass
-    on_mirror = _on_mirror(model, revision, settings)
+    on_mirror = _on_mirror(model, commit or revision, settings)
     if on_mirror is not None:
-        copy = local_copy(on_mirror, settings, name=model.replace("/", "--"))
-        return ModelWeights(model, on_mirror, weight_files(on_mirror), copy)
+        try:
+            files = weight_files(on_mirror)
+        except WeightsError:  # a snapshot of the config alone: the weights are downloaded
+            files = []
+        if files:
+            copy = local_copy(on_mirror, settings, name=model.replace("/", "--"))
+            return ModelWeights(model, on_mirror, files, copy)
+    if hub is not None and not hub.offline():
+        # As vLLM's own loader: download the weights (which fills the mirror), read them.
+        folder = hub.download_weights(model, revision, commit, list(WEIGHT_PATTERNS))
+        return ModelWeights(model, folder, weight_files(folder), None)
     raise WeightsError(
         f"{model}: not in the local Hugging Face cache and not on the mirror "
-        f"({settings.volume or 'LOADERPLUG_VOLUME is unset'})"
+        f"({settings.volume or 'LOADERPLUG_VOLUME is unset'}), and the Hub "
+        + ("is offline (HF_HUB_OFFLINE)" if hub is not None else "client is not installed")
     )
 
 
@@ -139,16 +162,41 @@ def _through_fastsafetensors(
     yield from fastsafetensors.iter_tensors(files, settings)
 
 
-def _in_hf_cache(repo_id: str, revision: str | None) -> Path | None:
+def _snapshot_without_weights(folder: Path) -> tuple[str, str] | None:
+    """The repo id and commit of a Hugging Face cache snapshot (``.../models--org--name/
+    snapshots/<commit>``) that holds no weights, else None."""
+    folder = folder.absolute()
+    repo_folder = folder.parent.parent
+    if folder.parent.name != "snapshots" or not repo_folder.name.startswith("models--"):
+        return None
+    if not re.fullmatch(r"[0-9a-f]{40}", folder.name):
+        return None
     try:
-        from .huggingface_hub import original_snapshot_download
+        weight_files(folder)
+    except WeightsError:
+        return repo_folder.name[len("models--") :].replace("--", "/"), folder.name
+    return None
+
+
+def _hub_integration() -> Any:
+    """loaderplug's Hub integration, or None where huggingface_hub is not installed (or
+    moved a name it uses: said once)."""
+    try:
+        from . import huggingface_hub
     except ImportError:
         return None
     except UpstreamChanged as exc:  # the installed huggingface_hub moved a name we use
-        log.warning("loaderplug: not looking in the local Hugging Face cache: %s", exc)
+        log.warning("loaderplug: not using the Hugging Face Hub or its cache: %s", exc)
+        return None
+    return huggingface_hub
+
+
+def _in_hf_cache(repo_id: str, revision: str | None) -> Path | None:
+    hub = _hub_integration()
+    if hub is None:
         return None
     try:
-        path = original_snapshot_download(
+        path = hub.original_snapshot_download(
             repo_id,
             revision=revision,
             local_files_only=True,

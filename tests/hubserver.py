@@ -19,7 +19,8 @@ ignore_patterns=...)`` asks of a model repo, and what this server answers:
   ``announce_xet`` set, LFS files also carry a ``xetHash`` (as nearly every model file on the Hub
   does today), which the client keeps in ``trees/<commit>.json``; with ``hf_xet`` installed and
   Xet not disabled it would then download through Xet, which this server cannot serve (see
-  :func:`share_blobs`), so clients keep ``HF_HUB_DISABLE_XET=1`` and fetch over HTTP. Paginated like the Hub: ``Link: <...&cursor=N>; rel="next"`` (``tree_page_size``).
+  :func:`share_blobs`), so clients keep ``HF_HUB_DISABLE_XET=1`` and fetch over HTTP.
+  Paginated like the Hub: ``Link: <...&cursor=N>; rel="next"`` (``tree_page_size``).
 * ``HEAD /{repo_id}/resolve/{quote(revision, safe="")}/{quote(filename)}`` per file (the client
   always passes the commit sha as revision here), sent with ``Accept-Encoding: identity`` and
   redirects not followed off-host. Needed headers: ``X-Repo-Commit`` (else ``FileMetadataError``),

@@ -118,6 +118,17 @@ REPOSITORY_NOT_FOUND_ERROR = Symbol(
     "the Hub says the repo does not exist (or is private): said once, the mirror answers",
     public=True,
 )
+TRY_TO_LOAD_FROM_CACHE = Symbol(
+    "huggingface_hub.file_download",
+    "try_to_load_from_cache",
+    "the cache lookup vLLM makes before it asks the Hub for a repo's file list: a file "
+    "the mirror holds is hydrated and found, so a worker starts with the Hub down",
+)
+CACHED_NO_EXIST = Symbol(
+    "huggingface_hub.file_download",
+    "_CACHED_NO_EXIST",
+    "what try_to_load_from_cache answers for a file known not to exist at a commit",
+)
 REMOTE_ENTRY_NOT_FOUND_ERROR = Symbol(
     "huggingface_hub.errors",
     "RemoteEntryNotFoundError",
@@ -224,6 +235,8 @@ SYMBOLS = (
     REPO_INFO,
     REPOSITORY_NOT_FOUND_ERROR,
     REMOTE_ENTRY_NOT_FOUND_ERROR,
+    TRY_TO_LOAD_FROM_CACHE,
+    CACHED_NO_EXIST,
     PUBLIC_HF_HUB_DOWNLOAD,
     WRITE_DOWNLOAD_METADATA,
     REPO_FOLDER_NAME,
@@ -266,6 +279,16 @@ def hf_hub_download() -> Callable[..., Any]:
     """The ``hf_hub_download`` of ``huggingface_hub.file_download``, as it is now: after
     loaderplug's ``install()`` that is loaderplug's, so keep the first one."""
     return cast("Callable[..., Any]", UPSTREAM.get(HF_HUB_DOWNLOAD))
+
+
+def try_to_load_from_cache() -> Callable[..., Any]:
+    """``try_to_load_from_cache(repo_id, filename, cache_dir, revision, repo_type)``, as
+    huggingface_hub defines it (kept before ``install()`` replaces it)."""
+    return cast("Callable[..., Any]", UPSTREAM.get(TRY_TO_LOAD_FROM_CACHE))
+
+
+def cached_no_exist() -> object:
+    return UPSTREAM.get(CACHED_NO_EXIST)
 
 
 def validate_hf_hub_args() -> Callable[[Callable[..., Any]], Callable[..., Any]]:

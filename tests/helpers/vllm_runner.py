@@ -244,7 +244,8 @@ def main() -> None:
     )
     args = parser.parse_args()
 
-    os.environ.update(VLLM_ENV)
+    for name, value in VLLM_ENV.items():  # a caller's own choice wins (HF_HUB_OFFLINE=0)
+        os.environ.setdefault(name, value)
     root = Path(__file__).resolve().parents[2]
     if str(root) not in sys.path:
         sys.path.insert(0, str(root))

@@ -1,0 +1,123 @@
+"""vLLM started as its users start it: ``LLM(model="org/model", load_format="volcache")``,
+a repo id on a Hub (the test Hub), with a mirror that the first worker fills and the
+next ones, fresh hosts, load from with the Hub up, down or offline.
+
+vLLM runs in subprocesses (tests/helpers/vllm_runner.py); the Hub runs in this one.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.hubserver import HubServer, client_env, share_blobs
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("vllm") is None, reason="vLLM is not installed"
+)
+REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO = "acme/tiny-llama"
+FOLDER = "models--acme--tiny-llama"
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from tests.helpers.tiny_llama import write_tiny_llama
+
+    folder = tmp_path_factory.mktemp("original") / "tiny-llama"
+    write_tiny_llama(folder, shards=3)
+    return folder
+
+
+def run_vllm(
+    cases: list[dict[str, Any]], home: Path, hub: HubServer, volume: Path, **env: str
+) -> list[dict[str, Any]]:
+    """Each case's generation, from a fresh process whose HF_HOME is ``home``."""
+    from tests.helpers.vllm_runner import RESULT_PREFIX
+
+    environment = {
+        "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+        "HOME": str(home),
+        "PYTHONPATH": str(REPO_ROOT),
+        "TMPDIR": str(home),
+        "LOADERPLUG_VOLUME": str(volume),
+        "LOADERPLUG_LOCAL_DIR": str(home / "loaderplug"),
+        "LOADERPLUG_PROGRESS": "0",
+        **client_env(hub.endpoint, home),
+        "HF_HUB_OFFLINE": "0",
+        "TRANSFORMERS_OFFLINE": "0",
+        **env,
+    }
+    done = subprocess.run(
+        [sys.executable, "-m", "tests.helpers.vllm_runner", "--cases", json.dumps(cases)],
+        cwd=REPO_ROOT,
+        env=environment,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    lines = [line for line in done.stdout.splitlines() if line.startswith(RESULT_PREFIX)]
+    assert done.returncode == 0 and lines, done.stdout[-3000:] + done.stderr[-5000:]
+    results: list[dict[str, Any]] = json.loads(lines[-1][len(RESULT_PREFIX) :])
+    for result in results:
+        result["log"] = done.stdout[-3000:] + done.stderr[-6000:]
+    return results
+
+
+@pytest.mark.parametrize("layout", ["per-repo", "shared"])
+def test_vllm_with_a_repo_id_fills_the_mirror_then_loads_from_it_up_down_and_offline(
+    llama: Path, hub: HubServer, tmp_path: Path, layout: str
+) -> None:
+    hub.announce_xet = True
+    files = {p.name: p.read_bytes() for p in llama.iterdir()}
+    sha = hub.add_repo(REPO, files)
+    volume = tmp_path / "volume"
+    volume.mkdir()
+
+    # The reference, and the first worker: an empty mirror, the Hub up.
+    (reference,) = run_vllm(
+        [{"model": str(llama), "load_format": "safetensors"}], tmp_path / "ref", hub, volume
+    )
+    (first,) = run_vllm(
+        [{"model": REPO, "load_format": "volcache"}], tmp_path / "w1", hub, volume
+    )
+    assert first["ok"] and reference["ok"], first["log"]
+    assert first["token_ids"] == reference["token_ids"]
+    assert hub.file_requests() > 0
+    mirrored = volume / "hub" / FOLDER
+    assert (mirrored / "refs" / "main").read_text() == sha
+    on_mirror = mirrored / "snapshots" / sha
+    assert {p.name: p.read_bytes() for p in on_mirror.iterdir()} == files
+    if layout == "shared":
+        assert share_blobs(volume / "hub") == 3  # the three weight shards
+
+    # Fresh hosts: the Hub up (no file from it), then offline, then down.
+    hub.reset_counts()
+    (up,) = run_vllm([{"model": REPO, "load_format": "volcache"}], tmp_path / "w2", hub, volume)
+    assert up["ok"], up["log"]
+    assert up["token_ids"] == reference["token_ids"]
+    assert hub.file_requests() == 0, hub.requests
+
+    (offline,) = run_vllm(
+        [{"model": REPO, "load_format": "volcache"}],
+        tmp_path / "w3",
+        hub,
+        volume,
+        HF_HUB_OFFLINE="1",
+    )
+    assert offline["ok"], offline["log"]
+    assert offline["token_ids"] == reference["token_ids"]
+
+    hub.stop()
+    (down,) = run_vllm(
+        [{"model": REPO, "load_format": "volcache"}], tmp_path / "w4", hub, volume
+    )
+    assert down["ok"], down["log"]
+    assert down["token_ids"] == reference["token_ids"]
