@@ -249,6 +249,14 @@ def main() -> None:
     root = Path(__file__).resolve().parents[2]
     if str(root) not in sys.path:
         sys.path.insert(0, str(root))
+    if os.environ.get("TEST_HUB_MAX_RETRIES"):
+        # A test of a Hub that is down: huggingface_hub retries each refused request 5
+        # times over some 23 s (vLLM lists a repo's files several times); keep fewer.
+        from huggingface_hub.utils import _http
+
+        for backoff in (_http._http_backoff_base, _http.http_backoff, _http.http_stream_backoff):
+            if "max_retries" in (backoff.__kwdefaults__ or {}):
+                backoff.__kwdefaults__["max_retries"] = int(os.environ["TEST_HUB_MAX_RETRIES"])
     if args.cases:
         logging.basicConfig(level=logging.WARNING)
         logging.getLogger("vllm").setLevel(logging.INFO)
