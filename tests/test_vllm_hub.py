@@ -81,11 +81,17 @@ def test_vllm_with_a_repo_id_fills_the_mirror_then_loads_from_it_up_down_and_off
     volume = tmp_path / "volume"
     volume.mkdir()
 
-    # The reference, and the first worker: an empty mirror, the Hub up.
-    (reference,) = run_vllm(
-        [{"model": str(llama), "load_format": "safetensors"}], tmp_path / "ref", hub, volume
+    # The first worker (an empty mirror, the Hub up), then vLLM's own loader on the
+    # original folder in the same process, for reference.
+    first, reference = run_vllm(
+        [
+            {"model": REPO, "load_format": "volcache"},
+            {"model": str(llama), "load_format": "safetensors"},
+        ],
+        tmp_path / "w1",
+        hub,
+        volume,
     )
-    (first,) = run_vllm([{"model": REPO, "load_format": "volcache"}], tmp_path / "w1", hub, volume)
     assert first["ok"] and reference["ok"], first["log"]
     assert first["token_ids"] == reference["token_ids"]
     assert hub.file_requests() > 0
