@@ -406,3 +406,105 @@ def test_install_reaches_names_imported_before_it_and_hfapi_methods() -> None:
         assert _snapshot_download.hf_hub_download is lp_hub.original_hf_hub_download
     assert transformers_hub.hf_hub_download is lp_hub.original_hf_hub_download
     assert file_download.hf_hub_download is lp_hub.original_hf_hub_download
+
+
+# -- bad input stays bad input ---------------------------------------------------------
+
+
+def test_an_unknown_repo_or_revision_fails_as_the_hub_says(
+    hub: HubServer, tmp_path: Path, volume: Path, hooks: None
+) -> None:
+    hub.add_repo(REPO, {"config.json": b"{}"})
+    cache = tmp_path / "cache"
+    with pytest.raises(huggingface_hub.errors.RepositoryNotFoundError):
+        huggingface_hub.snapshot_download("acme/nothing", cache_dir=cache)
+    with pytest.raises(huggingface_hub.errors.RepositoryNotFoundError):
+        huggingface_hub.hf_hub_download("acme/nothing", "config.json", cache_dir=cache)
+    with pytest.raises(huggingface_hub.errors.RevisionNotFoundError):
+        huggingface_hub.snapshot_download(REPO, revision="v9", cache_dir=cache)
+    with pytest.raises(huggingface_hub.errors.RevisionNotFoundError):
+        huggingface_hub.hf_hub_download(REPO, "config.json", revision="v9", cache_dir=cache)
+    assert not (volume / "hub").exists() or not any((volume / "hub").iterdir())
+
+
+def test_a_mirror_ref_naming_a_commit_it_lacks_is_no_snapshot(
+    hub: HubServer,
+    tmp_path: Path,
+    volume: Path,
+    hooks: None,
+    llama: dict[str, bytes],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    sha = hub.add_repo(REPO, llama)
+    huggingface_hub.snapshot_download(REPO, cache_dir=tmp_path / "cache1")
+    (volume / "hub" / FOLDER / "refs" / "main").write_text("f" * 40)
+    new_worker()
+    hub_out_of_reach("offline", hub, monkeypatch)
+    for call in (
+        lambda: huggingface_hub.snapshot_download(REPO, cache_dir=tmp_path / "cache2"),
+        lambda: huggingface_hub.snapshot_download(
+            REPO, cache_dir=tmp_path / "cache2", ignore_patterns="*"
+        ),
+        lambda: huggingface_hub.hf_hub_download(REPO, "config.json", cache_dir=tmp_path / "c2"),
+    ):
+        with pytest.raises(huggingface_hub.errors.LocalEntryNotFoundError):
+            call()
+    assert not (tmp_path / "cache2" / FOLDER / "snapshots" / sha).exists()
+
+
+@pytest.mark.parametrize("fault", ["truncated", "replaced"])
+def test_a_bad_store_file_on_the_mirror_is_refused_and_downloaded(
+    hub: HubServer,
+    tmp_path: Path,
+    volume: Path,
+    hooks: None,
+    llama: dict[str, bytes],
+    caplog: pytest.LogCaptureFixture,
+    fault: str,
+) -> None:
+    hub.announce_xet = True
+    sha = hub.add_repo(REPO, llama)
+    huggingface_hub.snapshot_download(REPO, cache_dir=tmp_path / "cache1")
+    share_blobs(volume / "hub")
+    shard = "model-00001-of-00002.safetensors"
+    stored = (volume / "hub" / FOLDER / "snapshots" / sha / shard).resolve()
+    assert stored.parent.parent.name == "blobs"  # in the shared store
+    stored.chmod(0o644)
+    data = stored.read_bytes()
+    stored.write_bytes(data[:-1] if fault == "truncated" else bytes(len(data)))
+    new_worker()
+    hub.reset_counts()
+    with caplog.at_level(logging.WARNING):
+        path = huggingface_hub.snapshot_download(REPO, cache_dir=tmp_path / "cache2")
+    assert {p.name: p.read_bytes() for p in Path(path).iterdir()} == llama
+    fetched = [p for m, p in hub.requests if m == "GET" and "/resolve/" in p]
+    assert len(fetched) == 1 and fetched[0].endswith(shard)
+    said = " ".join(r.getMessage() for r in caplog.records if r.name.startswith("loaderplug"))
+    assert shard in said and ("bytes" in said or "corrupt" in said), said
+
+
+def test_a_blob_link_out_of_the_hub_root_is_refused_with_the_reason(
+    hub: HubServer,
+    tmp_path: Path,
+    volume: Path,
+    hooks: None,
+    llama: dict[str, bytes],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    sha = hub.add_repo(REPO, llama)
+    huggingface_hub.snapshot_download(REPO, cache_dir=tmp_path / "cache1")
+    shard = "model-00002-of-00002.safetensors"
+    blob = (volume / "hub" / FOLDER / "snapshots" / sha / shard).resolve()
+    outside = tmp_path / "elsewhere"
+    outside.write_bytes(blob.read_bytes())
+    blob.unlink()
+    blob.symlink_to(os.path.relpath(outside, blob.parent))
+    new_worker()
+    hub.reset_counts()
+    with caplog.at_level(logging.WARNING):
+        path = huggingface_hub.snapshot_download(REPO, cache_dir=tmp_path / "cache2")
+    assert {p.name: p.read_bytes() for p in Path(path).iterdir()} == llama
+    fetched = [p for m, p in hub.requests if m == "GET" and "/resolve/" in p]
+    assert len(fetched) == 1 and fetched[0].endswith(shard)
+    said = " ".join(r.getMessage() for r in caplog.records if r.name.startswith("loaderplug"))
+    assert "not a file of the cache's shared blob store" in said, said
