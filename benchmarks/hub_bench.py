@@ -1,10 +1,14 @@
 """Hugging Face hub: a second worker served from the volume mirror against the Hub itself.
 
-A ~1 GiB repo (4 safetensors shards, config.json, the index) on the local Hub server
-(``tests/hubserver.py``, plain HTTP on loopback). Before timing, loaderplug's
-``snapshot_download`` runs once with the volume's backing folder as ``LOADERPLUG_VOLUME``:
-it downloads the repo and copies it to the mirror (``hub/models--org--name/``). Then
-three contenders, each in its own process, alternating round by round:
+A ~1 GiB Llama repo (4 safetensors shards, config, tokenizer, the index) on the local Hub
+server (``tests/hubserver.py``, plain HTTP on loopback), its weight files announced as
+Xet-backed as on the Hub. Before timing, loaderplug's ``snapshot_download`` runs once
+with the volume's backing folder as ``LOADERPLUG_VOLUME``: it downloads the repo and
+copies it to the mirror (``hub/models--org--name/``), which is then laid out as
+huggingface_hub >= 2.x lays out a Xet-era ``HF_HOME`` (the weights in the shared store
+``hub/blobs/<2 hex>/<xet hash>``, the repo's blobs links into it; ``--layout per-repo``
+keeps plain blobs). Then the contenders, each in its own process, alternating round by
+round:
 
 * worker 1: Hub download     ``huggingface_hub.snapshot_download(repo, cache_dir=<empty>)``
                              from the server: the plain client
@@ -13,9 +17,14 @@ three contenders, each in its own process, alternating round by round:
                              the mirror, no request to the server (checked)
 * huggingface_hub, mirror    ``HF_HUB_CACHE=<mount>/hub HF_HUB_OFFLINE=1``,
   as cache                   ``snapshot_download(repo)``: the path on the mount
-* plain hydrate              ``loaderplug.hydrate(<mount>/hub/models--org--name, <empty>)``:
-                             the same files copied with no hash check, the yardstick for
-                             worker 2, which hashes every blob as it copies it
+* plain hydrate              ``loaderplug.hydrate(<mount>/hub, <empty>)``: the same
+                             files (the hub root: the repo folder and the shared store)
+                             copied with no hash check, the yardstick for worker 2,
+                             which hashes every blob as it copies it
+* transformers, stock        ``AutoTokenizer`` and ``AutoModelForCausalLM.from_pretrained
+                             (repo, cache_dir=<empty>)`` downloading from the server
+* transformers, loaderplug   the same after ``loaderplug...huggingface_hub.install()``
+                             with ``LOADERPLUG_VOLUME=<mount>``: served from the mirror
 
 ``call s`` is the ``snapshot_download`` call; ``usable s`` adds one sequential read of
 every file of the returned snapshot in 16 MiB blocks, one file after another (what a
@@ -53,8 +62,12 @@ BLOCK = 16 * MiB
 HUB = "worker 1: Hub download"
 LOADERPLUG = "worker 2: loaderplug from the mirror"
 MOUNT = "huggingface_hub, mirror as cache"
-PLAIN = "plain loaderplug hydrate of the repo folder"
-NAMES = [HUB, LOADERPLUG, MOUNT, PLAIN]
+PLAIN = "plain loaderplug hydrate of the hub folder"
+TF_HUB = "worker 1: transformers, stock download"
+TF_LOADERPLUG = "worker 2: transformers with loaderplug"
+SNAPSHOTS = [HUB, LOADERPLUG, MOUNT, PLAIN]
+TRANSFORMERS = [TF_HUB, TF_LOADERPLUG]
+NAMES = SNAPSHOTS + TRANSFORMERS
 
 
 def read_snapshot(folder: str) -> tuple[int, int]:
@@ -76,12 +89,14 @@ def read_snapshot(folder: str) -> tuple[int, int]:
 
 def child(name: str, repo: str, cache_dir: str) -> dict[str, object]:
     """One contender's run, timed from just before the call (imports excluded)."""
+    if name in TRANSFORMERS:
+        return from_pretrained(name, repo, cache_dir)
     if name == PLAIN:
         from loaderplug import hydrate
 
         folder = "models--" + repo.replace("/", "--")
         started = time.perf_counter()
-        hydrate(os.path.join(os.environ["BENCH_MIRROR"], folder), os.path.join(cache_dir, folder))
+        hydrate(os.environ["BENCH_MIRROR"], cache_dir)
         path = max(Path(cache_dir, folder, "snapshots").iterdir())  # the one commit
     else:
         if name == LOADERPLUG:
@@ -103,6 +118,31 @@ def child(name: str, repo: str, cache_dir: str) -> dict[str, object]:
     }
 
 
+def from_pretrained(name: str, repo: str, cache_dir: str) -> dict[str, object]:
+    """A transformers user's start: tokenizer and model by repo id; ``usable s`` is the
+    model ready on the CPU."""
+    import transformers
+
+    if name == TF_LOADERPLUG:
+        from loaderplug.integrations import huggingface_hub as lp_hub
+
+        lp_hub.install()
+    started = time.perf_counter()
+    transformers.AutoTokenizer.from_pretrained(repo, cache_dir=cache_dir)
+    model = transformers.AutoModelForCausalLM.from_pretrained(repo, cache_dir=cache_dir)
+    usable = time.perf_counter() - started
+    snapshot = max(Path(cache_dir, "models--" + repo.replace("/", "--"), "snapshots").iterdir())
+    files = sorted(p for p in snapshot.iterdir())
+    assert model.num_parameters() > 0
+    return {
+        "call_s": usable,
+        "usable_s": usable,
+        "bytes": sum(p.stat().st_size for p in files),
+        "files": len(files),
+        "path": str(snapshot),
+    }
+
+
 def check_mirror(mirror: Path, sha: str, src: Path, names: list[str]) -> None:
     """The fill left a complete mirror: ref, listing, snapshot links to the right bytes."""
     ref = mirror / "refs" / "main"
@@ -118,17 +158,36 @@ def spread(values: list[int]) -> str:
     return str(values[0]) if min(values) == max(values) else f"{min(values)}-{max(values)}"
 
 
+def transformers_table(results: dict[str, list[dict]]) -> str:
+    usable = {n: statistics.median(r["usable_s"] for r in results[n]) for n in TRANSFORMERS}
+    lines = [
+        "| contender | from_pretrained s (median) | min-max | x stock | Hub file requests "
+        "| Hub API requests | peak RSS |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for n in TRANSFORMERS:
+        runs = results[n]
+        times = [r["usable_s"] for r in runs]
+        lines.append(
+            f"| {n} | {usable[n]:.2f} | {min(times):.2f}-{max(times):.2f} | "
+            f"{usable[TF_HUB] / usable[n]:.2f} | {spread([r['file_requests'] for r in runs])} | "
+            f"{spread([r['requests'] - r['file_requests'] for r in runs])} | "
+            f"{max(r['rss'] for r in runs) / MiB:.0f} MiB |"
+        )
+    return "\n".join(lines)
+
+
 def table(results: dict[str, list[dict]], total: int) -> str:
-    usable = {n: statistics.median(r["usable_s"] for r in results[n]) for n in NAMES}
-    speed = {n: total / MiB / usable[n] for n in NAMES}
+    usable = {n: statistics.median(r["usable_s"] for r in results[n]) for n in SNAPSHOTS}
+    speed = {n: total / MiB / usable[n] for n in SNAPSHOTS}
     lines = [
         "| contender | call s (median) | usable s (median) | min-max (usable) | MiB/s (usable) "
         "| x Hub download | x mirror as cache | call x plain hydrate | Hub file requests "
         "| peak RSS |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
-    call = {n: statistics.median(r["call_s"] for r in results[n]) for n in NAMES}
-    for n in NAMES:
+    call = {n: statistics.median(r["call_s"] for r in results[n]) for n in SNAPSHOTS}
+    for n in SNAPSHOTS:
         runs = results[n]
         times = [r["usable_s"] for r in runs]
         lines.append(
@@ -147,9 +206,9 @@ def bench(args: argparse.Namespace) -> None:
     from common import run_timed
     from hydrate_bench import PROFILE, ram_dir
 
-    from loaderplug.testing.model import write_model
     from loaderplug.testing.volume import fuse_unavailable_reason, mounted
-    from tests.hubserver import HubServer, client_env
+    from tests.helpers.tiny_llama import write_tiny_llama
+    from tests.hubserver import HubServer, client_env, share_blobs
 
     reason = fuse_unavailable_reason()
     if not Path("/usr/bin/time").exists():
@@ -177,8 +236,11 @@ def bench(args: argparse.Namespace) -> None:
     ):
         work = Path(tmp)
         src = work / "src"
-        write_model(src, size, 4)
+        # A real Llama (transformers loads it): 16 layers of 1024 make about 1 GiB.
+        layers = max(1, round(16 * size / GiB))
+        write_tiny_llama(src, shards=4, hidden_size=1024, num_layers=layers, intermediate_size=4096)
         names = sorted(p.name for p in src.iterdir())
+        server.announce_xet = True
         sha = server.add_repo(REPO, {n: (src / n).read_bytes() for n in names})
         total = sum((src / n).stat().st_size for n in names)
         home = work / "hf_home"
@@ -207,6 +269,10 @@ def bench(args: argparse.Namespace) -> None:
         shutil.rmtree(work / "fill-cache")
         check_mirror(backing / "hub" / "models--bench-org--bench-model", sha, src, names)
         print(f"  mirror filled: {fill['call_s']:.2f} s (download + copy to the mirror)")
+        if args.layout == "shared":
+            shared = share_blobs(backing / "hub")
+            check_mirror(backing / "hub" / "models--bench-org--bench-model", sha, src, names)
+            print(f"  mirror laid out with the shared Xet store: {shared} blobs in it")
 
         mnt = work / "mnt"
         mnt.mkdir()
@@ -215,13 +281,26 @@ def bench(args: argparse.Namespace) -> None:
             LOADERPLUG: (work / "cache-lp", {"LOADERPLUG_VOLUME": str(mnt)}, work / "cache-lp"),
             MOUNT: (None, {"HF_HUB_CACHE": str(mnt / "hub"), "HF_HUB_OFFLINE": "1"}, mnt),
             PLAIN: (work / "cache-plain", {"BENCH_MIRROR": str(mnt / "hub")}, work / "cache-plain"),
+            TF_HUB: (work / "cache-tf-hub", {}, work / "cache-tf-hub"),
+            TF_LOADERPLUG: (
+                work / "cache-tf-lp",
+                {"LOADERPLUG_VOLUME": str(mnt)},
+                work / "cache-tf-lp",
+            ),
         }
         with mounted(backing, mnt, PROFILE):
             for round_ in range(rounds):
                 for name in NAMES[round_ % len(NAMES) :] + NAMES[: round_ % len(NAMES)]:
                     cache, extra, inside = contenders[name]
                     figures = run(name, cache, extra)
-                    if name != HUB and figures["requests"]:
+                    # Worker 2 asks which commit main names (one request, as stock
+                    # does); transformers makes its own API calls; no file may come
+                    # from the Hub but for the stock downloads.
+                    api = figures["requests"] - figures["file_requests"]
+                    allowed = {HUB: None, TF_HUB: None, LOADERPLUG: 1, TF_LOADERPLUG: api}
+                    most = allowed.get(name, 0)
+                    too_many = most is not None and (figures["file_requests"] or api > most)
+                    if too_many:
                         raise SystemExit(
                             f"{name} sent {figures['requests']} request(s) to the Hub server: "
                             f"{server.requests[-figures['requests'] :][:8]}"
@@ -239,11 +318,13 @@ def bench(args: argparse.Namespace) -> None:
                         f"  usable {figures['usable_s']:6.2f} s",
                         flush=True,
                     )
-    text = table(results, total)
+    text = table(results, total) + "\n\n" + transformers_table(results)
     header = (
-        f"# Hugging Face hub benchmark\n\n{total / MiB:.0f} MiB repo (4 safetensors shards, "
-        f"config.json, index) on the local Hub server (tests/hubserver.py, plain HTTP on "
-        f"loopback); mirror (filled once beforehand by loaderplug's snapshot_download) on "
+        f"# Hugging Face hub benchmark\n\n{total / MiB:.0f} MiB Llama repo (4 safetensors "
+        f"shards, config, tokenizer, index; weights announced as Xet-backed) on the local Hub "
+        f"server (tests/hubserver.py, plain HTTP on "
+        f"loopback); mirror (filled once beforehand by loaderplug's snapshot_download, "
+        f"layout: {args.layout}) on "
         f"the FUSE test volume over a memory-backed folder, 40 MiB/s per stream, 320 MiB/s "
         f"per mount, 2 ms per request, direct_io; local caches on local disk, empty at the "
         f"start of each run. Worker 1: `huggingface_hub.snapshot_download` from the server. "
@@ -252,8 +333,11 @@ def bench(args: argparse.Namespace) -> None:
         f"mount and `HF_HUB_OFFLINE=1`. {rounds} round(s), alternating; wall time inside "
         f"each process (imports excluded): call s is the snapshot_download call, usable s "
         f"adds one sequential read of every file of the returned snapshot in 16 MiB blocks. "
-        f"Plain hydrate: `loaderplug.hydrate` of the mirror's repo folder (the same files, no "
-        f"hash check). x columns: usable MiB/s over that contender's; call x plain hydrate: "
+        f"Plain hydrate: `loaderplug.hydrate` of the mirror's hub folder (the same files, no "
+        f"hash check). Transformers: `AutoTokenizer` then `AutoModelForCausalLM."
+        f"from_pretrained` by repo id, stock against the server, and with loaderplug's hooks "
+        f"and the mirror; x stock: the stock time over this one. x columns: usable MiB/s "
+        f"over that contender's; call x plain hydrate: "
         f"the plain hydrate's call time over this one's. Hub file requests: HEAD and GET "
         f"to `/resolve/` per run. Command: "
         f"`python benchmarks/hub_bench.py{' --quick' if args.quick else ''}`.\n\n"
@@ -266,6 +350,7 @@ def bench(args: argparse.Namespace) -> None:
         "bytes": total,
         "files": len(names),
         "rounds": rounds,
+        "layout": args.layout,
         "profile": {
             "per_stream_bytes_per_s": PROFILE.per_stream_bytes_per_s,
             "mount_bytes_per_s": PROFILE.mount_bytes_per_s,
@@ -282,6 +367,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="256 MiB repo, one round")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument(
+        "--layout",
+        choices=("shared", "per-repo"),
+        default="shared",
+        help="the mirror's layout: the shared Xet store (as huggingface_hub >= 2.x writes "
+        "HF_HOME), or plain blobs per repo",
+    )
     parser.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, default=HERE / "results")
     args = parser.parse_args()

@@ -744,18 +744,16 @@ def install() -> None:
 def _names_holding_originals(
     module: Any, originals: dict[Callable[..., Any], Callable[..., Any]]
 ) -> list[tuple[str, Callable[..., Any]]]:
+    """The names in ``module`` bound to one of ``originals``, compared by identity: a
+    module's values may be lazy objects that import things when hashed or compared."""
     try:
         namespace = vars(module)
     except TypeError:
         return []
-    found = []
-    for name, value in list(namespace.items()):
-        try:
-            if value in originals:
-                found.append((name, value))
-        except TypeError:  # an unhashable value
-            continue
-    return found
+    by_id = {id(original): original for original in originals}
+    return [
+        (name, by_id[id(value)]) for name, value in list(namespace.items()) if id(value) in by_id
+    ]
 
 
 def uninstall() -> None:
