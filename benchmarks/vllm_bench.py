@@ -16,6 +16,12 @@ by round, and generates greedily once:
 * runai_streamer       ``--load-format runai_streamer`` reading the mount directly
 * safetensors (local, cold)  reference: a copy on local disk, its page cache dropped
 
+A second table starts vLLM as its users do, with a repo id on a Hub (the local test Hub,
+plain HTTP on loopback) and the mirror on the same kind of mount: the first worker
+(empty mirror: downloads, loads, fills the mirror), the second worker (a fresh host:
+the mirror, no file from the Hub), and vLLM's default loader after a stock
+``snapshot_download``; Hub file requests are counted per run.
+
 Weights time is vLLM's "Loading weights took" figure, parsed from the child's log
 (vLLM logs none for runai_streamer: the bench times that loader's ``load_weights`` and
 logs the same line). Every run mounts the volume afresh, so no page cache carries over.
@@ -77,7 +83,8 @@ def child(spec: dict[str, Any]) -> None:
 
     from tests.helpers.vllm_runner import LLM_KWARGS, MAX_TOKENS, PROMPT, VLLM_ENV
 
-    os.environ.update(VLLM_ENV)
+    for name, value in VLLM_ENV.items():  # the Hub section's HF_HUB_OFFLINE=0 wins
+        os.environ.setdefault(name, value)
     # VLLM_CONFIGURE_LOGGING=0: vLLM's records reach the root logger, printed to stdout
     # for the parent to find "Loading weights took".
     logging.basicConfig(
@@ -215,6 +222,81 @@ def finish(run: dict[str, Any], copy_s: float) -> dict[str, Any]:
     return run
 
 
+HUB_REPO = "bench-org/llama"
+HUB_FIRST = "volcache, repo id, first worker (empty mirror)"
+HUB_SECOND = "volcache, repo id, second worker (from the mirror)"
+HUB_STOCK = "stock snapshot_download + safetensors"
+
+
+def hub_section(work: Path, backing: Path, rounds: int) -> tuple[str, dict[str, Any]]:
+    """vLLM with a repo id: volcache's first and second worker against vLLM's default
+    loader after a stock download; weights time, Hub file requests."""
+    from tests.hubserver import HubServer, client_env
+
+    results: dict[str, list[dict[str, Any]]] = {HUB_FIRST: [], HUB_SECOND: [], HUB_STOCK: []}
+    with HubServer() as server:
+        server.announce_xet = True
+        files = {p.name: p.read_bytes() for p in (backing / "model").iterdir()}
+        server.add_repo(HUB_REPO, files)
+        for round_ in range(rounds):
+            volume, mnt = work / "hub-volume", work / "hub-mnt"
+            shutil.rmtree(volume, ignore_errors=True)
+            volume.mkdir()
+            for name in results:
+                home = work / f"hf-{round_}-{len(results[name])}-{name[:8]}"
+                shutil.rmtree(home, ignore_errors=True)
+                env = {
+                    **client_env(server.endpoint, home),
+                    "HF_HUB_OFFLINE": "0",
+                    "TRANSFORMERS_OFFLINE": "0",
+                    "LOADERPLUG_PROGRESS": "0",
+                    "LOADERPLUG_LOCAL_DIR": str(home / "loaderplug"),
+                    "TMPDIR": str(work),
+                }
+                seen = server.file_requests()
+                with mounted(volume, mnt, PROFILE):
+                    if name == HUB_STOCK:
+                        fetch = f"import huggingface_hub as h; h.snapshot_download({HUB_REPO!r})"
+                        copy_s, _rss, _out = run_timed([sys.executable, "-c", fetch], env)
+                        run = run_child(Path(HUB_REPO), "safetensors", env)
+                    else:
+                        copy_s = 0.0
+                        env["LOADERPLUG_VOLUME"] = str(mnt)
+                        run = run_child(Path(HUB_REPO), "volcache", env)
+                run = finish(run, copy_s)
+                run["file_requests"] = server.file_requests() - seen
+                results[name].append(run)
+                shutil.rmtree(home, ignore_errors=True)
+                figures = (
+                    f"weights {run['weights_s']:.2f} s, total {run['total_s']:.2f} s, "
+                    f"{run['file_requests']} Hub file requests"
+                    if run["ok"]
+                    else "FAILED: " + run["error"].strip().splitlines()[-1][:300]
+                )
+                print(f"  round {round_ + 1}: {name:50s} {figures}", flush=True)
+    lines = [
+        "| contender | weights s (vLLM's figure) | download s | total s | x stock "
+        "| Hub file requests | peak RSS |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    stock = [r["total_s"] for r in results[HUB_STOCK] if r["ok"]]
+    for name, runs in results.items():
+        ok = [r for r in runs if r["ok"]]
+        if not ok:
+            lines.append(f"| {name} | failed: {runs[0]['error'][-200:]!r} | | | | | |")
+            continue
+        total = statistics.median(r["total_s"] for r in ok)
+        ratio = f"{statistics.median(stock) / total:.2f}" if stock else "n/a"
+        requests = sorted({r["file_requests"] for r in ok})
+        lines.append(
+            f"| {name} | {cell([r['weights_s'] for r in ok])} | "
+            f"{cell([r['copy_s'] for r in ok])} | {cell([r['total_s'] for r in ok])} | "
+            f"{ratio} | {'-'.join(map(str, requests))} | "
+            f"{max(r['rss'] for r in ok) / MiB:.0f} MiB |"
+        )
+    return "\n".join(lines), results
+
+
 def cell(values: list[float]) -> str:
     """Median, with the range when there is more than one value."""
     median = statistics.median(values)
@@ -309,6 +391,7 @@ def main() -> None:
                     else "FAILED: " + run["error"].strip().splitlines()[-1][:300]
                 )
                 print(f"  round {round_ + 1}: {name:26s} {figures}", flush=True)
+        hub_text, hub_results = hub_section(work, backing, args.rounds)
     text = table(results)
     floor = size / (PROFILE.mount_bytes_per_s or 1)
     header = (
@@ -336,11 +419,28 @@ def main() -> None:
     )
     if notes:
         header += "\n".join(notes) + "\n\n"
+    hub_header = (
+        "\n## With a repo id\n\nThe same model as `bench-org/llama` on the local test Hub "
+        "(plain HTTP on loopback; weights announced as Xet-backed), the mirror on the same "
+        "kind of mount (empty at the start of each round), every worker a fresh HF_HOME. "
+        "First worker: `LLM(model=repo, load_format='volcache')` with an empty mirror "
+        "(downloads through loaderplug's hooks, fills the mirror, loads); second worker: the "
+        "same on a fresh host (the mirror filled). Stock: `huggingface_hub.snapshot_download"
+        "(repo)` in a process of its own (download s), then `LLM(model=repo, load_format="
+        "'safetensors')`. total = download + weights; x stock = stock total / this total.\n\n"
+    )
     args.out.mkdir(parents=True, exist_ok=True)
+    text = text + "\n" + hub_header + hub_text
     (args.out / "vllm.md").write_text(header + text + "\n")
     (args.out / "vllm.json").write_text(
         json.dumps(
-            {"model_bytes": size, "layers": layers, "rounds": args.rounds, "results": results},
+            {
+                "model_bytes": size,
+                "layers": layers,
+                "rounds": args.rounds,
+                "results": results,
+                "with_a_repo_id": hub_results,
+            },
             indent=1,
         )
     )
