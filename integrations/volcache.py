@@ -125,7 +125,14 @@ def locate_weights(model: str, revision: str | None, settings: Settings) -> Mode
             return ModelWeights(model, on_mirror, files, copy)
     if hub is not None and not hub.offline():
         # As vLLM's own loader: download the weights (which fills the mirror), read them.
-        folder = hub.download_weights(model, revision, commit, list(WEIGHT_PATTERNS))
+        try:
+            folder = hub.download_weights(model, revision, commit, list(WEIGHT_PATTERNS))
+        except Exception as exc:
+            raise WeightsError(
+                f"{model}: not in the local Hugging Face cache, not on the mirror "
+                f"({settings.volume or 'LOADERPLUG_VOLUME is unset'}), and the Hub download "
+                f"failed: {type(exc).__name__}: {exc}"
+            ) from exc
         return ModelWeights(model, folder, weight_files(folder), None)
     raise WeightsError(
         f"{model}: not in the local Hugging Face cache and not on the mirror "

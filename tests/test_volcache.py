@@ -16,6 +16,7 @@ from loaderplug.settings import from_env
 from loaderplug.testing.volume import TestVolume, VolumeProfile, fuse_unavailable_reason, mounted
 from loaderplug.units import MiB
 from tests.helpers.tensors import reference, same, write_shards
+from tests.hubserver import HubServer
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("safetensors")
@@ -108,9 +109,18 @@ def test_a_repo_id_is_found_in_the_mirrors_hub_layout(tmp_path: Path) -> None:
     assert weights.local_copy is not None and weights.local_copy.name.startswith("acme--tiny-")
 
 
-def test_an_unknown_model_names_both_places_it_looked(tmp_path: Path) -> None:
+def test_an_unknown_model_names_every_place_it_looked(
+    tmp_path: Path, hub: HubServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
     settings = from_env(volume=str(tmp_path))
-    with pytest.raises(volcache.WeightsError, match="not in the local Hugging Face cache"):
+    with pytest.raises(volcache.WeightsError, match="not on the mirror") as failed:
+        volcache.locate_weights("acme/absent", None, settings)
+    assert "not in the local Hugging Face cache" in str(failed.value)
+    assert "the Hub download failed: RepositoryNotFoundError" in str(failed.value)
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(volcache.WeightsError, match=r"the Hub is offline \(HF_HUB_OFFLINE\)"):
         volcache.locate_weights("acme/absent", None, settings)
 
 
