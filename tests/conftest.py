@@ -176,3 +176,15 @@ def small_tmpfs(tmp_path: Path) -> Iterator[Path]:
 
 
 ENOMEM, EIO, EAGAIN, EACCES = errno.ENOMEM, errno.EIO, errno.EAGAIN, errno.EACCES
+
+
+@pytest.fixture
+def volume(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """An empty mirror root as ``LOADERPLUG_VOLUME`` (its Hub repos go under ``hub/``)."""
+    vol = tmp_path / "volume"
+    vol.mkdir()
+    monkeypatch.setenv("LOADERPLUG_VOLUME", str(vol))
+    monkeypatch.setenv("LOADERPLUG_FSYNC", "0")
+    monkeypatch.setenv("LOADERPLUG_PROGRESS", "0")
+    monkeypatch.setenv("LOADERPLUG_HYDRATE_WORKERS", "3")
+    return vol

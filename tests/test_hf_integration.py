@@ -38,17 +38,6 @@ FILES = {
 original = lp_hub.original_snapshot_download
 
 
-@pytest.fixture
-def volume(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    vol = tmp_path / "volume"
-    vol.mkdir()
-    monkeypatch.setenv("LOADERPLUG_VOLUME", str(vol))
-    monkeypatch.setenv("LOADERPLUG_FSYNC", "0")
-    monkeypatch.setenv("LOADERPLUG_PROGRESS", "0")
-    monkeypatch.setenv("LOADERPLUG_HYDRATE_WORKERS", "3")
-    return vol
-
-
 def snapshot_bytes(path: str | Path) -> dict[str, bytes]:
     root = Path(path)
     return {

@@ -50,16 +50,6 @@ def llama_folder(llama: dict[str, bytes], tmp_path_factory: pytest.TempPathFacto
     return folder
 
 
-@pytest.fixture
-def volume(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    vol = tmp_path / "volume"
-    vol.mkdir()
-    monkeypatch.setenv("LOADERPLUG_VOLUME", str(vol))
-    monkeypatch.setenv("LOADERPLUG_FSYNC", "0")
-    monkeypatch.setenv("LOADERPLUG_PROGRESS", "0")
-    return vol
-
-
 @pytest.fixture(autouse=True)
 def transformers_on_the_test_hub(hub: HubServer, monkeypatch: pytest.MonkeyPatch) -> None:
     """transformers keeps one ``HfApi``, which took the endpoint of its first use."""
@@ -452,6 +442,25 @@ def test_a_mirror_ref_naming_a_commit_it_lacks_is_no_snapshot(
     assert not (tmp_path / "cache2" / FOLDER / "snapshots" / sha).exists()
 
 
+def only_this_file_downloaded(
+    hub: HubServer,
+    cache: Path,
+    llama: dict[str, bytes],
+    shard: str,
+    caplog: pytest.LogCaptureFixture,
+) -> str:
+    """A fresh worker's snapshot is whole, with ``shard`` alone fetched from the Hub;
+    what loaderplug said about it."""
+    new_worker()
+    hub.reset_counts()
+    with caplog.at_level(logging.WARNING):
+        path = huggingface_hub.snapshot_download(REPO, cache_dir=cache)
+    assert {p.name: p.read_bytes() for p in Path(path).iterdir()} == llama
+    fetched = [p for m, p in hub.requests if m == "GET" and "/resolve/" in p]
+    assert len(fetched) == 1 and fetched[0].endswith(shard)
+    return " ".join(r.getMessage() for r in caplog.records if r.name.startswith("loaderplug"))
+
+
 @pytest.mark.parametrize("fault", ["truncated", "replaced"])
 def test_a_bad_store_file_on_the_mirror_is_refused_and_downloaded(
     hub: HubServer,
@@ -472,14 +481,7 @@ def test_a_bad_store_file_on_the_mirror_is_refused_and_downloaded(
     stored.chmod(0o644)
     data = stored.read_bytes()
     stored.write_bytes(data[:-1] if fault == "truncated" else bytes(len(data)))
-    new_worker()
-    hub.reset_counts()
-    with caplog.at_level(logging.WARNING):
-        path = huggingface_hub.snapshot_download(REPO, cache_dir=tmp_path / "cache2")
-    assert {p.name: p.read_bytes() for p in Path(path).iterdir()} == llama
-    fetched = [p for m, p in hub.requests if m == "GET" and "/resolve/" in p]
-    assert len(fetched) == 1 and fetched[0].endswith(shard)
-    said = " ".join(r.getMessage() for r in caplog.records if r.name.startswith("loaderplug"))
+    said = only_this_file_downloaded(hub, tmp_path / "cache2", llama, shard, caplog)
     assert shard in said and ("bytes" in said or "corrupt" in said), said
 
 
@@ -499,12 +501,5 @@ def test_a_blob_link_out_of_the_hub_root_is_refused_with_the_reason(
     outside.write_bytes(blob.read_bytes())
     blob.unlink()
     blob.symlink_to(os.path.relpath(outside, blob.parent))
-    new_worker()
-    hub.reset_counts()
-    with caplog.at_level(logging.WARNING):
-        path = huggingface_hub.snapshot_download(REPO, cache_dir=tmp_path / "cache2")
-    assert {p.name: p.read_bytes() for p in Path(path).iterdir()} == llama
-    fetched = [p for m, p in hub.requests if m == "GET" and "/resolve/" in p]
-    assert len(fetched) == 1 and fetched[0].endswith(shard)
-    said = " ".join(r.getMessage() for r in caplog.records if r.name.startswith("loaderplug"))
+    said = only_this_file_downloaded(hub, tmp_path / "cache2", llama, shard, caplog)
     assert "not a file of the cache's shared blob store" in said, said
