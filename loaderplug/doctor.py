@@ -21,7 +21,10 @@ def doctor(paths: Sequence[str], environ: dict[str, str] | None = None) -> str:
         where = f" on {mount.mount_point} ({mount.source})" if mount else ""
         mode = f"direct, {policy.alignment}-byte aligned" if policy.direct else "buffered"
         missing = "" if os.path.exists(path) else " (does not exist yet; decided for its folder)"
-        lines.append(f"{path}{missing}: {policy.fs_type}{where}: {mode}: {policy.reason}")
+        lines.append(
+            f"{path}{missing}: {policy.fs_type}{where}: {mode}: {policy.reason}; "
+            f"{policy.inode_note}"
+        )
     lines.append("settings:")
     for var in REGISTRY:
         value = getattr(settings, var.field)

@@ -169,7 +169,7 @@ class FileTask:
 
 
 def check_identity(task: FileTask, now: Identity) -> None:
-    if now != task.identity:
+    if not now.matches(task.identity, inode=task.policy.stable_inodes):
         raise HydrateError(
             f"source changed while being copied (was {task.identity.describe()}, "
             f"now {now.describe()}); run again once the mirror holds still",

@@ -316,7 +316,7 @@ class Runner:
         def read() -> Header:
             source = self.plugins.open_source(path, policy)
             try:
-                if source.identity() != entry.identity:
+                if not source.identity().matches(entry.identity, inode=policy.stable_inodes):
                     raise HydrateError(
                         f"{path}: changed since it was listed (now {source.identity().describe()})",
                         path=path,

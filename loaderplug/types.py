@@ -46,6 +46,24 @@ class IOPolicy:
     def buffered(fs_type: str, reason: str) -> IOPolicy:
         return IOPolicy(direct=False, alignment=1, fs_type=fs_type, reason=reason)
 
+    @property
+    def stable_inodes(self) -> bool:
+        """Whether an inode number names the file for good on this filesystem. FUSE
+        reports the kernel's node ids unless its server keeps numbers of its own
+        (``use_ino``), and a node id changes whenever the kernel forgets an inode nobody
+        holds open (memory pressure does, every few seconds on a loaded host)."""
+        return not (self.fs_type in ("fuse", "fuseblk") or self.fs_type.startswith("fuse."))
+
+    @property
+    def inode_note(self) -> str:
+        """What the policy says of inode numbers, for ``doctor``."""
+        if self.stable_inodes:
+            return "inode numbers stable: a replaced file is also told by its inode"
+        return (
+            "inode numbers not stable (FUSE node ids): a file counts as changed by its "
+            "size or mtime only"
+        )
+
 
 @dataclass(frozen=True)
 class Identity:
@@ -58,6 +76,13 @@ class Identity:
     @staticmethod
     def of(st: os.stat_result) -> Identity:
         return Identity(st.st_size, st.st_mtime_ns, st.st_ino)
+
+    def matches(self, other: Identity, *, inode: bool = True) -> bool:
+        """Whether ``other`` is the same content as far as can be told: size and mtime,
+        and the inode where the filesystem keeps inode numbers (``inode``; see
+        :attr:`IOPolicy.stable_inodes`)."""
+        same = self.size == other.size and self.mtime_ns == other.mtime_ns
+        return same and (not inode or self.inode == other.inode)
 
     def describe(self) -> str:
         return f"size {self.size}, mtime_ns {self.mtime_ns}, inode {self.inode}"

@@ -1,0 +1,164 @@
+"""A source's identity means what it says on every filesystem: FUSE mounts report the
+kernel's node ids as inode numbers, which change whenever the kernel forgets an inode
+(memory pressure), so there a file counts as changed by its size or mtime only; a file
+truly replaced (new content, new mtime) is still refused everywhere."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from loaderplug import hydrate
+from loaderplug.doctor import doctor
+from loaderplug.errors import TransferFailed
+from loaderplug.hookspecs import hookimpl
+from loaderplug.source import PosixSource
+from loaderplug.testing.model import write_model
+from loaderplug.testing.volume import VolumeProfile, fuse_unavailable_reason, mounted
+from loaderplug.types import Identity, IOPolicy
+from loaderplug.units import MiB
+from tests.conftest import FAST, tree_bytes
+
+needs_fuse = pytest.mark.skipif(
+    fuse_unavailable_reason() is not None, reason=f"FUSE: {fuse_unavailable_reason()}"
+)
+
+
+def test_an_identity_ignores_the_inode_only_where_inodes_are_not_stable() -> None:
+    one, renumbered = Identity(10, 5, 4), Identity(10, 5, 7)
+    assert one.matches(renumbered, inode=False) and not one.matches(renumbered)
+    assert not one.matches(Identity(10, 6, 4), inode=False)  # a new mtime: changed
+    assert not one.matches(Identity(11, 5, 4), inode=False)  # a new size: changed
+    kinds = [("fuse", False), ("fuse.geesefs", False), ("fuseblk", False)]
+    kinds += [("ext4", True), ("nfs4", True), ("tmpfs", True)]
+    for fs_type, stable in kinds:
+        assert IOPolicy.buffered(fs_type, "test").stable_inodes is stable, fs_type
+
+
+class RenumberingSource:
+    """The built-in source, reporting a new inode number each time it is asked, as a
+    FUSE mount does for a file whose inode the kernel keeps forgetting."""
+
+    numbers = itertools.count(1_000_000)
+
+    def __init__(self, inner: PosixSource) -> None:
+        self.inner = inner
+
+    @property
+    def size(self) -> int:
+        return self.inner.size
+
+    def identity(self) -> Identity:
+        now = self.inner.identity()
+        return Identity(now.size, now.mtime_ns, next(self.numbers))
+
+    def pread_into(self, buf: memoryview, offset: int) -> int:
+        return self.inner.pread_into(buf, offset)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+class Renumbering:
+    @hookimpl
+    def loaderplug_open_source(self, path: str, policy: IOPolicy) -> RenumberingSource:
+        return RenumberingSource(PosixSource(path, policy))
+
+
+@pytest.fixture
+def fuse_model(tmp_path: Path) -> Iterator[Path]:
+    backing = tmp_path / "backing"
+    write_model(backing / "model", 3 * MiB, shards=3)
+    with mounted(backing, tmp_path / "mnt", VolumeProfile(per_stream_bytes_per_s=64 * MiB)):
+        yield tmp_path / "mnt" / "model"
+
+
+@needs_fuse
+def test_inode_numbers_that_change_on_a_fuse_mirror_fail_nothing(
+    fuse_model: Path, tmp_path: Path, register_plugin: Callable[[object], object]
+) -> None:
+    register_plugin(Renumbering())
+    report = hydrate(fuse_model, tmp_path / "local", **FAST)
+    assert report.ok, [r.reason for r in report.failed]
+    assert tree_bytes(tmp_path / "local") == tree_bytes(fuse_model)
+
+
+def test_a_new_inode_on_local_disk_is_still_a_changed_file(
+    model: Path, tmp_path: Path, register_plugin: Callable[[object], object]
+) -> None:
+    register_plugin(Renumbering())
+    with pytest.raises(TransferFailed) as failed:
+        hydrate(model, tmp_path / "local", **FAST)
+    reasons = [r.reason for r in failed.value.report.failed]
+    assert reasons and all("changed" in reason for reason in reasons), reasons
+
+
+@needs_fuse
+def test_a_file_replaced_on_a_fuse_mirror_mid_copy_is_never_published(
+    tmp_path: Path, register_plugin: Callable[[object], object]
+) -> None:
+    backing = tmp_path / "backing"
+    write_model(backing / "model", 8 * MiB, shards=2)
+    victim = next(p for p in sorted((backing / "model").iterdir()) if p.stat().st_size > MiB)
+    replaced = threading.Event()
+
+    class ReplaceOnFirstRead:
+        @hookimpl
+        def loaderplug_open_source(self, path: str, policy: IOPolicy) -> object:
+            inner = PosixSource(path, policy)
+            if not path.endswith(victim.name):
+                return inner
+            source = RenumberingSource(inner)
+            read = source.pread_into
+
+            def replace_then_read(buf: memoryview, offset: int) -> int:
+                if not replaced.is_set():
+                    replaced.set()
+                    data = victim.read_bytes()
+                    victim.write_bytes(bytes(len(data)))  # new content, new mtime
+                    os.utime(victim, ns=(1, 1))
+                return read(buf, offset)
+
+            source.pread_into = replace_then_read  # type: ignore[method-assign]
+            return source
+
+    register_plugin(ReplaceOnFirstRead())
+    with (
+        mounted(backing, tmp_path / "mnt", VolumeProfile(per_stream_bytes_per_s=64 * MiB)),
+        pytest.raises(TransferFailed) as failed,
+    ):
+        hydrate(tmp_path / "mnt" / "model", tmp_path / "local", **FAST)
+    report = failed.value.report
+    assert replaced.is_set()
+    assert [r.path for r in report.failed] == [victim.name]
+    assert "changed" in report.failed[0].reason
+    assert not (tmp_path / "local" / victim.name).exists()
+
+
+@needs_fuse
+def test_doctor_says_whether_inode_numbers_are_stable(fuse_model: Path, tmp_path: Path) -> None:
+    said = doctor([str(fuse_model), str(tmp_path)], environ={})
+    on_fuse, local = said.splitlines()[:2]
+    assert "inode numbers not stable" in on_fuse, on_fuse
+    assert "inode numbers stable" in local, local
+
+
+@needs_fuse
+def test_the_one_pass_from_a_fuse_mirror_whose_inodes_change_completes(
+    fuse_model: Path, tmp_path: Path, register_plugin: Callable[[object], object]
+) -> None:
+    pytest.importorskip("torch")
+    from loaderplug.reader import iter_tensors
+
+    register_plugin(Renumbering())
+    files = sorted(fuse_model.glob("*.safetensors"))
+    assert files
+    names = [name for name, _ in iter_tensors(files, local_dir=tmp_path / "local", **FAST)]
+    assert names
+    for f in files:
+        assert (tmp_path / "local" / f.name).read_bytes() == f.read_bytes()
