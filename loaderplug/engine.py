@@ -42,7 +42,7 @@ from loaderplug.concurrency import ConcurrencyLimit, Slot
 from loaderplug.errors import HydrateError
 from loaderplug.partial import Landed
 from loaderplug.ranges import Order, Span, offset_major
-from loaderplug.retry import Cancelled, RetryPolicy, retrying
+from loaderplug.retry import LOAD_ERRNOS, Cancelled, RetryPolicy, retrying
 from loaderplug.sinks import JournalingSink, PlacingSink, Sink
 from loaderplug.source import aligned_buffer
 from loaderplug.types import FileResult, Identity, IOPolicy, Source, Status
@@ -498,7 +498,7 @@ class Engine:
 
         def transient(exc: OSError) -> None:
             self._count_retries(1)
-            if slot is not None:
+            if slot is not None and exc.errno in LOAD_ERRNOS:
                 slot.transient_error()
 
         renew = (lambda: slot.renew(self._cancel)) if slot is not None else None

@@ -19,7 +19,11 @@ from typing import TYPE_CHECKING, TypeVar
 if TYPE_CHECKING:
     from loaderplug.settings import Settings
 
-TRANSIENT_ERRNOS = frozenset({errno_mod.ENOMEM, errno_mod.EIO, errno_mod.EAGAIN})
+TRANSIENT_ERRNOS = frozenset({errno_mod.ENOMEM, errno_mod.EIO, errno_mod.EAGAIN, errno_mod.ESTALE})
+# A stale handle (NFS, after the server replaced or moved the file) is cured by opening
+# the path again, which every retry does; the reopened file's identity is checked, so a
+# file truly replaced fails as changed. It says nothing about load.
+LOAD_ERRNOS = TRANSIENT_ERRNOS - {errno_mod.ESTALE}
 T = TypeVar("T")
 
 

@@ -35,10 +35,15 @@ def test_reads_interleave_across_files(model: Path, tmp_path: Path, inject) -> N
 def test_transient_errors_are_retried_and_the_file_is_identical(
     model: Path, tmp_path: Path, inject
 ) -> None:
-    for code, match in ((errno.ENOMEM, "00001"), (errno.EIO, "00002"), (errno.EAGAIN, "00003")):
+    for code, match in (
+        (errno.ENOMEM, "00001"),
+        (errno.EIO, "00002"),
+        (errno.EAGAIN, "00003"),
+        (errno.ESTALE, "model-00004"),  # a stale handle: each retry opens the path again
+    ):
         inject(code, match=match, times=3)
     report = hydrate(model, tmp_path / "local", **FAST)
-    assert report.retries == 9
+    assert report.retries == 12
     assert tree_bytes(tmp_path / "local") == tree_bytes(model)
 
 
