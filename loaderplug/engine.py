@@ -12,12 +12,14 @@ run. Locking, skipping, reporting and plugins are the runner's business
   spares let a reader start its next range while its last one is still being written.
 * Each span is read with ``pread`` from a source the reader opened itself (once per file
   it reads from), into a buffer of its own, then written to every sink of its file.
-* ENOMEM, EIO and EAGAIN are retried per span with exponential backoff and full jitter
-  (:mod:`loaderplug.retry`); any other error, or exhausted retries, fails that file only.
+* ENOMEM, EIO, EAGAIN and ESTALE are retried per span with exponential backoff and full
+  jitter (:mod:`loaderplug.retry`), each retry from a freshly opened source; any other
+  error, or exhausted retries, fails that file only.
   Its remaining spans are skipped and its sinks aborted; other files carry on.
 * The source's identity, pinned before the copy, is checked after every read step, and
   once more through a fresh open before commit: a file that changes underneath fails
-  instead of publishing mixed bytes.
+  instead of publishing mixed bytes. Size and mtime always count; the inode only where
+  the filesystem keeps inode numbers (not FUSE: :attr:`IOPolicy.stable_inodes`).
 * Cancellation (Ctrl-C, :meth:`Engine.cancel`) is seen between reads and during backoff,
   so workers stop within about one span's time; every unfinished sink is aborted before
   :meth:`Engine.run` returns or raises.
