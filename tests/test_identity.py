@@ -70,19 +70,24 @@ class Renumbering:
         return RenumberingSource(PosixSource(path, policy))
 
 
+# The test volume answering every look with a new inode number.
+RENUMBERING = VolumeProfile(per_stream_bytes_per_s=64 * MiB, renumber_inodes=True)
+
+
 @pytest.fixture
 def fuse_model(tmp_path: Path) -> Iterator[Path]:
     backing = tmp_path / "backing"
     write_model(backing / "model", 3 * MiB, shards=3)
-    with mounted(backing, tmp_path / "mnt", VolumeProfile(per_stream_bytes_per_s=64 * MiB)):
+    with mounted(backing, tmp_path / "mnt", RENUMBERING):
         yield tmp_path / "mnt" / "model"
 
 
 @needs_fuse
 def test_inode_numbers_that_change_on_a_fuse_mirror_fail_nothing(
-    fuse_model: Path, tmp_path: Path, register_plugin: Callable[[object], object]
+    fuse_model: Path, tmp_path: Path
 ) -> None:
-    register_plugin(Renumbering())
+    some = fuse_model / "config.json"
+    assert os.stat(some).st_ino != os.stat(some).st_ino  # the volume renumbers
     report = hydrate(fuse_model, tmp_path / "local", **FAST)
     assert report.ok, [r.reason for r in report.failed]
     assert tree_bytes(tmp_path / "local") == tree_bytes(fuse_model)
@@ -113,7 +118,7 @@ def test_a_file_replaced_on_a_fuse_mirror_mid_copy_is_never_published(
             inner = PosixSource(path, policy)
             if not path.endswith(victim.name):
                 return inner
-            source = RenumberingSource(inner)
+            source = inner
             read = source.pread_into
 
             def replace_then_read(buf: memoryview, offset: int) -> int:
@@ -129,7 +134,7 @@ def test_a_file_replaced_on_a_fuse_mirror_mid_copy_is_never_published(
 
     register_plugin(ReplaceOnFirstRead())
     with (
-        mounted(backing, tmp_path / "mnt", VolumeProfile(per_stream_bytes_per_s=64 * MiB)),
+        mounted(backing, tmp_path / "mnt", RENUMBERING),
         pytest.raises(TransferFailed) as failed,
     ):
         hydrate(tmp_path / "mnt" / "model", tmp_path / "local", **FAST)
@@ -150,12 +155,11 @@ def test_doctor_says_whether_inode_numbers_are_stable(fuse_model: Path, tmp_path
 
 @needs_fuse
 def test_the_one_pass_from_a_fuse_mirror_whose_inodes_change_completes(
-    fuse_model: Path, tmp_path: Path, register_plugin: Callable[[object], object]
+    fuse_model: Path, tmp_path: Path
 ) -> None:
     pytest.importorskip("torch")
     from loaderplug.reader import iter_tensors
 
-    register_plugin(Renumbering())
     files = sorted(fuse_model.glob("*.safetensors"))
     assert files
     names = [name for name, _ in iter_tensors(files, local_dir=tmp_path / "local", **FAST)]

@@ -87,6 +87,9 @@ class VolumeProfile:
     # Act like a kernel that refuses direct IO: "open" fails an O_DIRECT open with
     # EINVAL, "read" accepts the open and fails every read of that handle with EINVAL.
     refuse_direct_io: str | None = None
+    # Act like a FUSE filesystem without inode numbers of its own whose kernel keeps
+    # forgetting its inodes (memory pressure): every attribute answer carries a new one.
+    renumber_inodes: bool = False
 
     def __post_init__(self) -> None:
         for name in ("per_stream_bytes_per_s", "mount_bytes_per_s"):

@@ -84,6 +84,7 @@ class _VolumeOps:
     ) -> None:
         self._root = os.path.realpath(backing)
         self._profile = profile
+        self._inode_numbers = itertools.count(1 << 40)  # renumber_inodes: never a real one
         self._on_init = on_init
         self._lock = threading.Lock()
         self._handles: dict[int, _Handle] = {}
@@ -221,7 +222,7 @@ class _VolumeOps:
             st = os.fstat(h.fd)
         return {
             "st_mode": st.st_mode,
-            "st_ino": st.st_ino,
+            "st_ino": next(self._inode_numbers) if self._profile.renumber_inodes else st.st_ino,
             "st_nlink": st.st_nlink,
             "st_uid": st.st_uid,
             "st_gid": st.st_gid,
