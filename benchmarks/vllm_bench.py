@@ -267,13 +267,7 @@ def hub_section(work: Path, backing: Path, rounds: int) -> tuple[str, dict[str, 
                 run["file_requests"] = server.file_requests() - seen
                 results[name].append(run)
                 shutil.rmtree(home, ignore_errors=True)
-                figures = (
-                    f"weights {run['weights_s']:.2f} s, total {run['total_s']:.2f} s, "
-                    f"{run['file_requests']} Hub file requests"
-                    if run["ok"]
-                    else "FAILED: " + run["error"].strip().splitlines()[-1][:300]
-                )
-                print(f"  round {round_ + 1}: {name:50s} {figures}", flush=True)
+                say_run(round_, name, run, f"{run['file_requests']} Hub file requests")
     lines = [
         "| contender | weights s (vLLM's figure) | download s | total s | x stock "
         "| Hub file requests | peak RSS |",
@@ -295,6 +289,16 @@ def hub_section(work: Path, backing: Path, rounds: int) -> tuple[str, dict[str, 
             f"{max(r['rss'] for r in ok) / MiB:.0f} MiB |"
         )
     return "\n".join(lines), results
+
+
+def say_run(round_: int, name: str, run: dict[str, Any], more: str) -> None:
+    """One progress line: a run's figures, or why it failed."""
+    figures = (
+        f"weights {run['weights_s']:.2f} s, total {run['total_s']:.2f} s, {more}"
+        if run["ok"]
+        else "FAILED: " + run["error"].strip().splitlines()[-1][:300]
+    )
+    print(f"  round {round_ + 1}: {name:50s} {figures}", flush=True)
 
 
 def cell(values: list[float]) -> str:
@@ -384,13 +388,7 @@ def main() -> None:
             for name in names[shift:] + names[:shift]:
                 run = run_contender(name, work, backing, reference)
                 results[name].append(run)
-                figures = (
-                    f"weights {run['weights_s']:.2f} s, LLM() {run['init_s']:.2f} s, "
-                    f"total {run['total_s']:.2f} s"
-                    if run["ok"]
-                    else "FAILED: " + run["error"].strip().splitlines()[-1][:300]
-                )
-                print(f"  round {round_ + 1}: {name:26s} {figures}", flush=True)
+                say_run(round_, name, run, f"LLM() {run.get('init_s', 0):.2f} s")
         hub_text, hub_results = hub_section(work, backing, args.rounds)
     text = table(results)
     floor = size / (PROFILE.mount_bytes_per_s or 1)

@@ -165,6 +165,10 @@ snapshot_download = _wrap(original_snapshot_download, file_call=False)
 hf_hub_download = _wrap(original_hf_hub_download, file_call=True)
 
 
+_LOOKUP_SIGNATURE = inspect.signature(original_try_to_load_from_cache)
+_DOWNLOAD_SIGNATURE = inspect.signature(original_hf_hub_download)
+
+
 @functools.wraps(original_try_to_load_from_cache)
 def try_to_load_from_cache(*args: Any, **kwargs: Any) -> Any:
     """``huggingface_hub.try_to_load_from_cache``, where the mirror counts as cache: a
@@ -174,10 +178,10 @@ def try_to_load_from_cache(*args: Any, **kwargs: Any) -> Any:
     found = original_try_to_load_from_cache(*args, **kwargs)
     if found is not None:
         return found
-    asked = inspect.signature(original_try_to_load_from_cache).bind(*args, **kwargs)
+    asked = _LOOKUP_SIGNATURE.bind(*args, **kwargs)
     asked.apply_defaults()
     # The download that would have put the file in the cache, served by the mirror alone.
-    as_download = inspect.signature(original_hf_hub_download).bind(**asked.arguments)
+    as_download = _DOWNLOAD_SIGNATURE.bind(**asked.arguments)
     as_download.apply_defaults()
     call = _Call(original_hf_hub_download, as_download, str(asked.arguments["filename"]))
     try:

@@ -9,8 +9,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import subprocess
-import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -63,20 +61,9 @@ def vllm_env(mirror: Mirror, local_dir: Path) -> dict[str, str]:
 def run_cases(
     mirror: Mirror, local_dir: Path, cases: list[dict[str, Any]], **env: str
 ) -> list[dict[str, Any]]:
-    from tests.helpers.vllm_runner import RESULT_PREFIX
+    from tests.helpers.vllm_runner import cases_in_subprocess
 
-    done = subprocess.run(
-        [sys.executable, "-m", "tests.helpers.vllm_runner", "--cases", json.dumps(cases)],
-        cwd=REPO,
-        env={**vllm_env(mirror, local_dir), **env},
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    lines = [line for line in done.stdout.splitlines() if line.startswith(RESULT_PREFIX)]
-    assert done.returncode == 0 and lines, done.stdout[-3000:] + done.stderr[-5000:]
-    results: list[dict[str, Any]] = json.loads(lines[-1][len(RESULT_PREFIX) :])
-    return results
+    return cases_in_subprocess(cases, {**vllm_env(mirror, local_dir), **env}, REPO)
 
 
 def test_volcache_generates_what_safetensors_does_and_leaves_a_local_copy(

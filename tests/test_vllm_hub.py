@@ -8,10 +8,7 @@ vLLM runs in subprocesses (tests/helpers/vllm_runner.py); the Hub runs in this o
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +37,7 @@ def run_vllm(
     cases: list[dict[str, Any]], home: Path, hub: HubServer, volume: Path, **env: str
 ) -> list[dict[str, Any]]:
     """Each case's generation, from a fresh process whose HF_HOME is ``home``."""
-    from tests.helpers.vllm_runner import RESULT_PREFIX
+    from tests.helpers.vllm_runner import cases_in_subprocess
 
     environment = {
         "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
@@ -55,20 +52,7 @@ def run_vllm(
         "TRANSFORMERS_OFFLINE": "0",
         **env,
     }
-    done = subprocess.run(
-        [sys.executable, "-m", "tests.helpers.vllm_runner", "--cases", json.dumps(cases)],
-        cwd=REPO_ROOT,
-        env=environment,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    lines = [line for line in done.stdout.splitlines() if line.startswith(RESULT_PREFIX)]
-    assert done.returncode == 0 and lines, done.stdout[-3000:] + done.stderr[-5000:]
-    results: list[dict[str, Any]] = json.loads(lines[-1][len(RESULT_PREFIX) :])
-    for result in results:
-        result["log"] = done.stdout[-3000:] + done.stderr[-6000:]
-    return results
+    return cases_in_subprocess(cases, environment, REPO_ROOT)
 
 
 @pytest.mark.parametrize("layout", ["per-repo", "shared"])

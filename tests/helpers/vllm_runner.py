@@ -218,6 +218,28 @@ def serve_once(folder: Path, load_format: str, log_path: Path) -> dict[str, Any]
     }
 
 
+def cases_in_subprocess(
+    cases: list[dict[str, Any]], env: dict[str, str], cwd: Path
+) -> list[dict[str, Any]]:
+    """Run ``cases`` with ``--cases`` in a fresh process with environment ``env``; each
+    case's result, with the process's output tail as ``log``. A failed process fails the
+    calling test with that output."""
+    done = subprocess.run(
+        [sys.executable, "-m", "tests.helpers.vllm_runner", "--cases", json.dumps(cases)],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    lines = [line for line in done.stdout.splitlines() if line.startswith(RESULT_PREFIX)]
+    assert done.returncode == 0 and lines, done.stdout[-3000:] + done.stderr[-5000:]
+    results: list[dict[str, Any]] = json.loads(lines[-1][len(RESULT_PREFIX) :])
+    for result in results:
+        result["log"] = done.stdout[-3000:] + done.stderr[-6000:]
+    return results
+
+
 def run_cases(cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Build and query ``LLM`` for each case in turn; a failure is recorded, not raised."""
     from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
