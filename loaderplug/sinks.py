@@ -26,7 +26,7 @@ from typing import Protocol, runtime_checkable
 from loaderplug.errors import HydrateError
 from loaderplug.fs import is_network_type
 from loaderplug.partial import Journal, Landed, is_partial_name, journal_for, partial_for
-from loaderplug.types import Identity, IOPolicy
+from loaderplug.types import Identity, IOPolicy, same_mtime
 
 TEMP_SUFFIX = ".loaderplug-tmp"
 log = logging.getLogger(__name__)
@@ -92,7 +92,8 @@ class JournalingSink(Sink, Protocol):
 def is_current_copy(dst: Path, identity: Identity) -> bool:
     """Whether ``dst`` already holds the file ``identity`` describes: a regular file
     (a symlink there is not followed: it is replaced) of the same size, stamped with the
-    same mtime, as every published copy is."""
+    same mtime, as every published copy is (as far as its filesystem keeps mtimes: one
+    that keeps whole seconds reads a stamp back cut to the second)."""
     try:
         st = os.lstat(dst)
     except (FileNotFoundError, NotADirectoryError):
@@ -100,7 +101,7 @@ def is_current_copy(dst: Path, identity: Identity) -> bool:
     return (
         stat.S_ISREG(st.st_mode)
         and st.st_size == identity.size
-        and st.st_mtime_ns == identity.mtime_ns
+        and same_mtime(identity.mtime_ns, st.st_mtime_ns)
     )
 
 

@@ -88,6 +88,19 @@ class Identity:
         return f"size {self.size}, mtime_ns {self.mtime_ns}, inode {self.inode}"
 
 
+# Granularities filesystems keep modification times at, in ns: NTFS and CIFS (100 ns),
+# microseconds, milliseconds, whole seconds (many FUSE filesystems, ext3), FAT (2 s).
+MTIME_GRANULARITIES_NS = (100, 1_000, 1_000_000, 1_000_000_000, 2_000_000_000)
+
+
+def same_mtime(stamped_ns: int, kept_ns: int) -> bool:
+    """Whether a file stamped with ``stamped_ns`` can read back as ``kept_ns``: the same
+    time, or that time cut to a granularity its filesystem keeps."""
+    return stamped_ns == kept_ns or any(
+        kept_ns == stamped_ns - stamped_ns % g for g in MTIME_GRANULARITIES_NS
+    )
+
+
 class Source(Protocol):
     """An open file to read from: what ``loaderplug_open_source`` returns."""
 

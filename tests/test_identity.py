@@ -20,7 +20,7 @@ from loaderplug.hookspecs import hookimpl
 from loaderplug.source import PosixSource
 from loaderplug.testing.model import write_model
 from loaderplug.testing.volume import VolumeProfile, fuse_unavailable_reason, mounted
-from loaderplug.types import Identity, IOPolicy
+from loaderplug.types import Identity, IOPolicy, same_mtime
 from loaderplug.units import MiB
 from tests.conftest import FAST, tree_bytes
 
@@ -38,6 +38,16 @@ def test_an_identity_ignores_the_inode_only_where_inodes_are_not_stable() -> Non
     kinds += [("ext4", True), ("nfs4", True), ("tmpfs", True)]
     for fs_type, stable in kinds:
         assert IOPolicy.buffered(fs_type, "test").stable_inodes is stable, fs_type
+
+
+def test_a_stamp_reads_back_cut_to_what_the_filesystem_keeps() -> None:
+    stamp = 1_700_000_000_123_456_789
+    for kept in (stamp, 1_700_000_000_123_456_700, 1_700_000_000_123_456_000):
+        assert same_mtime(stamp, kept), kept
+    assert same_mtime(stamp, 1_700_000_000_000_000_000)  # whole seconds
+    assert not same_mtime(stamp, 1_700_000_001_000_000_000)  # another second
+    assert not same_mtime(stamp, 1_700_000_000_123_456_788)  # another time, not a cut
+    assert not same_mtime(1_700_000_000_000_000_000, stamp)  # kept finer than stamped
 
 
 class RenumberingSource:
@@ -71,7 +81,7 @@ class Renumbering:
 
 
 # The test volume answering every look with a new inode number.
-RENUMBERING = VolumeProfile(per_stream_bytes_per_s=64 * MiB, renumber_inodes=True)
+RENUMBERING = VolumeProfile(per_stream_bytes_per_s=64 * MiB, inode_numbers="new-each-look")
 
 
 @pytest.fixture

@@ -3,14 +3,8 @@ each file is read by one rank, failures reach every rank in time."""
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
-import time
-import zlib
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -19,65 +13,15 @@ from loaderplug.testing.model import write_model
 from loaderplug.testing.volume import VolumeProfile, fuse_unavailable_reason, mounted
 from loaderplug.units import MiB
 from tests.conftest import leftover_temps
+from tests.helpers.ranks import expected, run_ranks
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("safetensors")
 pytest.importorskip("torch.distributed")
 
-HELPER = Path(__file__).parent / "helpers" / "rank_load.py"
-REPO = Path(__file__).resolve().parent.parent
 needs_fuse = pytest.mark.skipif(
     fuse_unavailable_reason() is not None, reason=f"FUSE: {fuse_unavailable_reason()}"
 )
-
-
-def expected(files: list[Path]) -> dict[str, list[Any]]:
-    from safetensors.torch import load_file
-
-    want = {}
-    for f in files:
-        for name, t in load_file(str(f)).items():
-            raw = t.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
-            want[name] = [str(t.dtype).removeprefix("torch."), list(t.shape), zlib.crc32(raw)]
-    return want
-
-
-def run_ranks(
-    tmp_path: Path,
-    files: list[Path],
-    world: int,
-    env: dict[str, str] | None = None,
-    per_rank: dict[int, dict[str, str]] | None = None,
-    timeout_s: float = 180,
-) -> tuple[list[dict[str, Any]], float]:
-    init = tmp_path / f"init-{time.monotonic_ns()}"
-    base = {
-        "PATH": "/usr/bin:/bin",
-        "PYTHONPATH": str(REPO),
-        "LOADERPLUG_PROGRESS": "0",
-        "LOADERPLUG_CHUNK_BYTES": "256K",
-        "LOADERPLUG_SPLIT_THRESHOLD_BYTES": "512K",
-        "LOADERPLUG_HYDRATE_WORKERS": "4",
-        "LOADERPLUG_FSYNC": "0",
-        **(env or {}),
-    }
-    started = time.monotonic()
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(HELPER), str(init), str(r), str(world), *map(str, files)],
-            cwd=REPO,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env={**base, **(per_rank or {}).get(r, {})},
-        )
-        for r in range(world)
-    ]
-    outs = []
-    for proc in procs:
-        out, err = proc.communicate(timeout=timeout_s)
-        outs.append(json.loads(out) if out.strip() else {"exit": proc.returncode, "stderr": err})
-    return outs, time.monotonic() - started
 
 
 @pytest.fixture

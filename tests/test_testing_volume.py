@@ -67,6 +67,10 @@ def test_profile_json_roundtrip() -> None:
         ),
         replace=(Replace("x.bin", 5, "/tmp/y.bin"),),
         seed=7,
+        inode_numbers="node-ids",
+        stale_handles=0.25,
+        whole_second_mtimes=True,
+        attr_lag_s=1.5,
     )
     assert VolumeProfile.from_json(p.to_json()) == p
     for preset in (
@@ -81,6 +85,10 @@ def test_profile_json_roundtrip() -> None:
         Fault(errno.EIO, rate=1.5)
     with pytest.raises(ValueError):
         Replace("x", 0, "relative/path")
+    with pytest.raises(ValueError, match="inode_numbers"):
+        VolumeProfile(inode_numbers="sometimes")
+    with pytest.raises(ValueError, match="stale_handles"):
+        VolumeProfile(stale_handles=2.0)
 
 
 def test_unavailable_reason_is_str_or_none() -> None:
@@ -308,3 +316,106 @@ def test_replace_mid_read(dirs: tuple[Path, Path], tmp_path: Path) -> None:
     assert after.st_ino != before.st_ino
     assert by_path.st_ino == after.st_ino
     assert (backing / "m.bin").read_bytes() == new
+
+
+# -- the habits of real network filesystems -----------------------------------
+
+
+@needs_fuse
+def test_node_ids_change_when_the_kernel_forgets_an_inode(dirs: tuple[Path, Path]) -> None:
+    from loaderplug.testing.eviction import evicting, eviction_unavailable_reason
+
+    if eviction_unavailable_reason() is not None:
+        pytest.skip(str(eviction_unavailable_reason()))
+    backing, mnt = dirs
+    _write_random(backing / "f.bin", 4096)
+    with mounted(backing, mnt, VolumeProfile(inode_numbers="node-ids")):
+        seen = set()
+        for _ in range(3):
+            seen.add(os.stat(mnt / "f.bin").st_ino)
+            with evicting(period_s=60):  # one drop, at once
+                pass
+        assert len(seen) == 3, seen
+        assert os.stat(mnt / "f.bin").st_ino != (backing / "f.bin").stat().st_ino
+    with mounted(backing, mnt, VolumeProfile(inode_numbers="new-each-look")):
+        assert os.stat(mnt / "f.bin").st_ino != os.stat(mnt / "f.bin").st_ino
+
+
+@needs_fuse
+def test_whole_second_mtimes(dirs: tuple[Path, Path]) -> None:
+    backing, mnt = dirs
+    _write_random(backing / "f.bin", 100)
+    os.utime(backing / "f.bin", ns=(1_700_000_000_123_456_789,) * 2)
+    with mounted(backing, mnt, VolumeProfile(whole_second_mtimes=True)):
+        assert os.stat(mnt / "f.bin").st_mtime_ns == 1_700_000_000_000_000_000
+
+
+@needs_fuse
+def test_a_stale_handle_stays_stale_and_a_new_open_reads(dirs: tuple[Path, Path]) -> None:
+    backing, mnt = dirs
+    data = _write_random(backing / "f.bin", 64 * 1024)
+    with mounted(backing, mnt, VolumeProfile(stale_handles=1.0)) as vol:
+        for _ in range(2):
+            fd = os.open(mnt / "f.bin", os.O_RDONLY)
+            try:
+                for _ in range(3):  # the first read finds it stale, and so does every later
+                    with pytest.raises(OSError) as stale:
+                        os.pread(fd, 4096, 0)
+                    assert stale.value.errno == errno.ESTALE
+            finally:
+                os.close(fd)
+        assert vol.stats()["stale_handles"] == 2  # one per handle
+    with mounted(backing, mnt, VolumeProfile(stale_handles=0.5, seed=3)) as vol:
+        got, opens = b"", 0
+        while len(got) < len(data):
+            fd = os.open(mnt / "f.bin", os.O_RDONLY)
+            opens += 1
+            try:
+                while len(got) < len(data):
+                    got += os.pread(fd, 4096, len(got))
+            except OSError as exc:
+                assert exc.errno == errno.ESTALE
+            finally:
+                os.close(fd)
+        assert got == data and opens > 1
+
+
+@needs_fuse
+def test_a_handle_to_a_replaced_file_is_stale_where_handles_go_stale(
+    dirs: tuple[Path, Path], tmp_path: Path
+) -> None:
+    backing, mnt = dirs
+    _write_random(backing / "m.bin", MiB)
+    new = _write_random(tmp_path / "staged" / "m-new.bin", MiB)
+    swap = Replace("m.bin", 64 * 1024, str(tmp_path / "staged" / "m-new.bin"))
+    profile = VolumeProfile(stale_handles=1e-9, replace=(swap,))
+    with mounted(backing, mnt, profile):
+        fd = os.open(mnt / "m.bin", os.O_RDONLY)
+        try:
+            os.pread(fd, 64 * 1024, 0)
+            with pytest.raises(OSError) as stale:
+                os.pread(fd, 4096, 64 * 1024)
+            assert stale.value.errno == errno.ESTALE
+        finally:
+            os.close(fd)
+        assert (mnt / "m.bin").read_bytes() == new
+
+
+@needs_fuse
+def test_attributes_lag_a_replacement_until_an_open(dirs: tuple[Path, Path]) -> None:
+    backing, mnt = dirs
+    _write_random(backing / "f.bin", 1000)
+    with mounted(backing, mnt, VolumeProfile(attr_lag_s=30.0)):
+        assert os.stat(mnt / "f.bin").st_size == 1000
+        _write_random(backing / "f.new", 10)
+        os.replace(backing / "f.new", backing / "f.bin")  # behind the mount's back
+        assert os.stat(mnt / "f.bin").st_size == 1000  # the cached answer
+        with open(mnt / "f.bin", "rb") as f:  # close-to-open: an open sees it as it is
+            assert os.fstat(f.fileno()).st_size == 10
+        assert os.stat(mnt / "f.bin").st_size == 10
+        # The mount's own changes show at once.
+        (mnt / "g.bin").write_bytes(b"abc")
+        assert os.stat(mnt / "g.bin").st_size == 3
+        with open(mnt / "g.bin", "ab") as f:
+            f.write(b"de")
+        assert os.stat(mnt / "g.bin").st_size == 5

@@ -3,7 +3,8 @@
 * `loaderplug.testing.volume`: the parent side, `mounted` and `TestVolume` (start here);
 * `loaderplug.testing.faults`: the `VolumeProfile` and its fault model;
 * `loaderplug.testing.fuse_server`: the FUSE server, run as its own process;
-* `loaderplug.testing.model`: synthetic model files.
+* `loaderplug.testing.model`: synthetic model files;
+* `loaderplug.testing.eviction`: the kernel dropping its dentry and inode caches.
 
 Nothing is imported here: ``python -m loaderplug.testing.fuse_server`` runs this
 package's ``__init__`` first, and the server should load no more than it needs.

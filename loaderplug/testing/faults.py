@@ -74,6 +74,9 @@ class Replace:
             raise ValueError("Replace.after_bytes must be >= 0")
 
 
+INODE_NUMBERS = ("stable", "node-ids", "new-each-look")
+
+
 @dataclass(frozen=True)
 class VolumeProfile:
     """How slow and how faulty the volume is. Rates are in bytes per second."""
@@ -87,9 +90,23 @@ class VolumeProfile:
     # Act like a kernel that refuses direct IO: "open" fails an O_DIRECT open with
     # EINVAL, "read" accepts the open and fails every read of that handle with EINVAL.
     refuse_direct_io: str | None = None
-    # Act like a FUSE filesystem without inode numbers of its own whose kernel keeps
-    # forgetting its inodes (memory pressure): every attribute answer carries a new one.
-    renumber_inodes: bool = False
+    # Which inode numbers the mount reports: "stable" (the backing file's), "node-ids"
+    # (libfuse's node ids, as a FUSE filesystem without inode numbers of its own
+    # reports: a file gets a new one each time the kernel forgets its inode, which
+    # memory pressure does), "new-each-look" (a new one in every attribute answer).
+    inode_numbers: str = "stable"
+    # NFS's stale file handles: this share of reads finds its handle stale, and that
+    # read and every later one of the handle fail with ESTALE; opening the path again
+    # gives a good handle. With it on, a handle opened before its file was replaced
+    # is stale too (NFS), instead of reading the new file (an object store's way).
+    stale_handles: float = 0.0
+    # Modification times in whole seconds, as some FUSE filesystems report them.
+    whole_second_mtimes: bool = False
+    # NFS's attribute cache (actimeo): a path's attributes are answered from a cache
+    # up to this old, so a file replaced behind the mount's back keeps showing the
+    # old size, mtime and inode for a while. Opening the path refreshes them
+    # (close-to-open consistency), and the mount's own changes are seen at once.
+    attr_lag_s: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("per_stream_bytes_per_s", "mount_bytes_per_s"):
@@ -98,6 +115,12 @@ class VolumeProfile:
                 raise ValueError(f"{name} must be > 0 or None, got {value}")
         if self.latency_s < 0:
             raise ValueError("latency_s must be >= 0")
+        if self.inode_numbers not in INODE_NUMBERS:
+            raise ValueError(f"inode_numbers must be one of {INODE_NUMBERS}")
+        if not 0.0 <= self.stale_handles <= 1.0:
+            raise ValueError(f"stale_handles must be in [0, 1], got {self.stale_handles}")
+        if self.attr_lag_s < 0:
+            raise ValueError("attr_lag_s must be >= 0")
         # Accept lists (e.g. from hand-written code) but store tuples so the
         # profile stays hashable and immutable.
         object.__setattr__(self, "faults", tuple(self.faults))

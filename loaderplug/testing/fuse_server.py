@@ -19,6 +19,7 @@ import errno as errno_mod
 import itertools
 import json
 import os
+import random
 import shutil
 import subprocess
 import sys
@@ -53,7 +54,7 @@ _UTIME_OMIT = (1 << 30) - 2
 
 
 class _Handle:
-    __slots__ = ("bucket", "fd", "flags", "generation", "lock", "rel", "stale_fds")
+    __slots__ = ("bucket", "fd", "flags", "generation", "lock", "rel", "stale", "stale_fds")
 
     def __init__(
         self, fd: int, rel: str, flags: int, generation: int, bucket: TokenBucket | None
@@ -64,6 +65,7 @@ class _Handle:
         self.generation = generation
         self.bucket = bucket
         self.lock = threading.Lock()
+        self.stale = False  # VolumeProfile.stale_handles: every read fails with ESTALE
         # fds replaced by a reopen; closed only at release because another
         # thread may still be inside pread() on them (closing could let the
         # number be reused for an unrelated file mid-read).
@@ -84,7 +86,10 @@ class _VolumeOps:
     ) -> None:
         self._root = os.path.realpath(backing)
         self._profile = profile
-        self._inode_numbers = itertools.count(1 << 40)  # renumber_inodes: never a real one
+        self._inode_numbers = itertools.count(1 << 40)  # "new-each-look": never a real one
+        self._stale_rng = random.Random(profile.seed)
+        # attr_lag_s: each path's last attribute answer and when it was taken.
+        self._attrs: dict[str, tuple[float, dict[str, Any]]] = {}
         self._on_init = on_init
         self._lock = threading.Lock()
         self._handles: dict[int, _Handle] = {}
@@ -141,6 +146,10 @@ class _VolumeOps:
         gen = self._generation.get(h.rel, 0)
         if gen == h.generation:
             return h.fd
+        if self._profile.stale_handles:
+            # NFS: the handle names the file that was replaced, which is gone.
+            h.stale = True
+            raise OSError(errno_mod.ESTALE, os.strerror(errno_mod.ESTALE))
         # The file was replaced under this handle: reopen by name so the
         # reader sees the new inode, as it would on a network volume that
         # does not pin the old object.
@@ -193,9 +202,10 @@ class _VolumeOps:
             config.entry_timeout = 0.0
             config.negative_timeout = 0.0
             config.attr_timeout = 0.0
-            config.use_ino = 1  # report the backing file's real st_ino
+            # Report our st_ino, or leave libfuse's node ids ("node-ids").
+            config.use_ino = int(self._own_inode_numbers)
             config.hard_remove = 1
-            config.readdir_ino = 1
+            config.readdir_ino = int(self._own_inode_numbers)
             config.direct_io = 1  # bypass the page cache (see loaderplug.testing.volume)
             config.kernel_cache = 0
             config.auto_cache = 0
@@ -205,9 +215,27 @@ class _VolumeOps:
     def destroy(self, path: str) -> None:
         return None
 
+    @property
+    def _own_inode_numbers(self) -> bool:
+        return self._profile.inode_numbers != "node-ids"
+
     # -- metadata ---------------------------------------------------------
 
     def getattr(self, path: str | None, fh: int | None = None) -> dict[str, Any]:
+        lag = self._profile.attr_lag_s
+        if lag and path is not None:
+            rel = norm_rel(path)
+            with self._lock:
+                cached = self._attrs.get(rel)
+            if cached is not None and time.monotonic() - cached[0] < lag:
+                return cached[1]
+        attrs = self._fresh_attrs(path, fh)
+        if lag and path is not None:
+            with self._lock:
+                self._attrs[norm_rel(path)] = (time.monotonic(), attrs)
+        return attrs
+
+    def _fresh_attrs(self, path: str | None, fh: int | None) -> dict[str, Any]:
         # By path first, so a replaced file shows its new inode/size/mtime
         # even through an old handle; an unlinked-but-open file (hard_remove
         # gives path None) falls back to the handle's own fd.
@@ -220,9 +248,13 @@ class _VolumeOps:
             if h is None:
                 raise
             st = os.fstat(h.fd)
+        times = [st.st_atime_ns, st.st_mtime_ns, st.st_ctime_ns]
+        if self._profile.whole_second_mtimes:
+            times = [t - t % 1_000_000_000 for t in times]
+        renumber = self._profile.inode_numbers == "new-each-look"
         return {
             "st_mode": st.st_mode,
-            "st_ino": next(self._inode_numbers) if self._profile.renumber_inodes else st.st_ino,
+            "st_ino": next(self._inode_numbers) if renumber else st.st_ino,
             "st_nlink": st.st_nlink,
             "st_uid": st.st_uid,
             "st_gid": st.st_gid,
@@ -230,10 +262,18 @@ class _VolumeOps:
             "st_size": st.st_size,
             "st_blocks": st.st_blocks,
             "st_blksize": st.st_blksize,
-            "st_atime": st.st_atime_ns,
-            "st_mtime": st.st_mtime_ns,
-            "st_ctime": st.st_ctime_ns,
+            "st_atime": times[0],
+            "st_mtime": times[1],
+            "st_ctime": times[2],
         }
+
+    def _changed_here(self, *paths: str) -> None:
+        """Forget the cached attributes of paths the mount itself changed: a client sees
+        its own changes at once, even with an attribute cache (``attr_lag_s``)."""
+        if self._profile.attr_lag_s:
+            with self._lock:
+                for path in paths:
+                    self._attrs.pop(norm_rel(path), None)
 
     def readdir(self, path: str, fh: int) -> list[Any]:
         entries: list[Any] = [".", ".."]
@@ -272,16 +312,19 @@ class _VolumeOps:
 
     def chmod(self, path: str, mode: int) -> int:
         os.chmod(self._full(path), mode)
+        self._changed_here(path)
         return 0
 
     def chown(self, path: str, uid: int, gid: int) -> int:
         os.lchown(self._full(path), uid, gid)
+        self._changed_here(path)
         return 0
 
     def utimens(self, path: str, times: tuple[int, int] | None = None) -> int:
         full = self._full(path)
         if times is None:
             os.utime(full, follow_symlinks=False)
+            self._changed_here(path)
             return 0
         st = os.lstat(full)
         now = time.time_ns()
@@ -297,33 +340,40 @@ class _VolumeOps:
             else:
                 resolved.append(int(value))
         os.utime(full, ns=(resolved[0], resolved[1]), follow_symlinks=False)
+        self._changed_here(path)
         return 0
 
     # -- namespace --------------------------------------------------------
 
     def mkdir(self, path: str, mode: int) -> int:
         os.mkdir(self._full(path), mode)
+        self._changed_here(path)
         return 0
 
     def rmdir(self, path: str) -> int:
         os.rmdir(self._full(path))
+        self._changed_here(path)
         return 0
 
     def unlink(self, path: str) -> int:
         os.unlink(self._full(path))
+        self._changed_here(path)
         return 0
 
     def rename(self, old: str, new: str) -> int:
         os.rename(self._full(old), self._full(new))
+        self._changed_here(old, new)
         return 0
 
     def symlink(self, target: str, source: str) -> int:
         # mfusepy convention: create `target` (in the volume) pointing at `source`.
         os.symlink(source, self._full(target))
+        self._changed_here(target)
         return 0
 
     def link(self, target: str, source: str) -> int:
         os.link(self._full(source), self._full(target))
+        self._changed_here(target)
         return 0
 
     def truncate(self, path: str, length: int, fh: int | None = None) -> int:
@@ -331,6 +381,7 @@ class _VolumeOps:
             os.ftruncate(self._handle(fh).fd, length)
         else:
             os.truncate(self._full(path), length)
+        self._changed_here(path)
         return 0
 
     # -- file I/O ---------------------------------------------------------
@@ -342,6 +393,7 @@ class _VolumeOps:
             raise OSError(errno_mod.EINVAL, os.strerror(errno_mod.EINVAL))
         flags = _backing_flags(flags)
         fd = os.open(self._full(path), flags)
+        self._changed_here(path)  # close-to-open: an open sees the file as it is now
         fh = self._new_handle(fd, path, flags)
         if direct and refusal == "read":
             with self._lock:
@@ -351,6 +403,7 @@ class _VolumeOps:
     def create(self, path: str, mode: int, flags: int) -> int:
         flags = _backing_flags(flags)
         fd = os.open(self._full(path), flags | os.O_CREAT, mode)
+        self._changed_here(path)
         return self._new_handle(fd, path, flags)
 
     def read(self, path: str | None, size: int, offset: int, fh: int) -> bytes:
@@ -363,11 +416,17 @@ class _VolumeOps:
             c = self._counters
             c["reads"] += 1
             c["max_inflight_reads"] = max(c["max_inflight_reads"], self._inflight)
-            # Picked under self._lock: FaultPicker is not thread-safe.
+            # Picked under self._lock: FaultPicker and the RNG are not thread-safe.
             fault = self._faults.pick(h.rel, offset, self._inflight)
             if fault is not None:
                 c["faults_injected"] += 1
+            rate = self._profile.stale_handles
+            if not h.stale and rate and self._stale_rng.random() < rate:
+                h.stale = True
+                c["stale_handles"] += 1
         try:
+            if h.stale:
+                raise OSError(errno_mod.ESTALE, os.strerror(errno_mod.ESTALE))
             if fault is not None:
                 # A failed request still costs a round trip.
                 if latency > 0:
@@ -399,6 +458,7 @@ class _VolumeOps:
     def write(self, path: str | None, data: bytes, offset: int, fh: int) -> int:
         h = self._handle(fh)
         n = os.pwrite(self._current_fd(h), data, offset)
+        self._changed_here(h.rel)
         with self._lock:
             self._counters["writes"] += 1
             self._counters["bytes_written"] += n
@@ -435,6 +495,7 @@ def _zero_stats() -> dict[str, int]:
         "writes",
         "bytes_written",
         "replacements",
+        "stale_handles",
     )
     return dict.fromkeys(keys, 0)
 
@@ -548,7 +609,7 @@ def _serve(argv: list[str] | None = None) -> int:
         attr_timeout=0,
         entry_timeout=0,
         negative_timeout=0,
-        use_ino=True,
+        use_ino=ops._own_inode_numbers,
         direct_io=True,
         # Unlink for real, even while open: libfuse's default renames such
         # files to .fuse_hidden* in the backing folder instead.

@@ -1,0 +1,65 @@
+"""Ranks of a gloo group in real processes (``rank_load.py`` each), and what they should
+have received."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+import zlib
+from pathlib import Path
+from typing import Any
+
+HELPER = Path(__file__).parent / "rank_load.py"
+REPO = Path(__file__).resolve().parents[2]
+
+
+def expected(files: list[Path]) -> dict[str, list[Any]]:
+    import torch
+    from safetensors.torch import load_file
+
+    want = {}
+    for f in files:
+        for name, t in load_file(str(f)).items():
+            raw = t.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+            want[name] = [str(t.dtype).removeprefix("torch."), list(t.shape), zlib.crc32(raw)]
+    return want
+
+
+def run_ranks(
+    tmp_path: Path,
+    files: list[Path],
+    world: int,
+    env: dict[str, str] | None = None,
+    per_rank: dict[int, dict[str, str]] | None = None,
+    timeout_s: float = 180,
+) -> tuple[list[dict[str, Any]], float]:
+    init = tmp_path / f"init-{time.monotonic_ns()}"
+    base = {
+        "PATH": "/usr/bin:/bin",
+        "PYTHONPATH": str(REPO),
+        "LOADERPLUG_PROGRESS": "0",
+        "LOADERPLUG_CHUNK_BYTES": "256K",
+        "LOADERPLUG_SPLIT_THRESHOLD_BYTES": "512K",
+        "LOADERPLUG_HYDRATE_WORKERS": "4",
+        "LOADERPLUG_FSYNC": "0",
+        **(env or {}),
+    }
+    started = time.monotonic()
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(HELPER), str(init), str(r), str(world), *map(str, files)],
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**base, **(per_rank or {}).get(r, {})},
+        )
+        for r in range(world)
+    ]
+    outs = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=timeout_s)
+        outs.append(json.loads(out) if out.strip() else {"exit": proc.returncode, "stderr": err})
+    return outs, time.monotonic() - started
