@@ -20,7 +20,10 @@ The ranks advance in steps, all together: at each step every rank says (through 
 small collective) what it has done since the last one: a file finished, a tensor to
 broadcast, nothing left, or the error it hit. An error on one rank is raised on every
 rank, naming the rank; every collective runs on a group of loaderplug's own with
-``LOADERPLUG_DISTRIBUTED_TIMEOUT_S``, so a rank that died makes the others fail in time.
+``LOADERPLUG_DISTRIBUTED_TIMEOUT_S``, the bound for a rank that is slow. A rank that
+dies is noticed at once (:mod:`loaderplug.peers` watches the processes of the host's
+ranks): every other rank stops reading and raises, naming it, whether it was waiting
+in a step, reading, or waiting for its consumer to ask for the next tensor.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import datetime
 import math
 import mmap
 import os
+import pickle
 import socket
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -39,6 +43,7 @@ from loaderplug.errors import DistributedError, LoaderplugError
 from loaderplug.fs import filesystem_type, is_network_type
 from loaderplug.header import LENGTH_BYTES, Header, header_length, parse_header
 from loaderplug.loads import load_plan
+from loaderplug.peers import Peer, PeerWatch, pid_namespace
 from loaderplug.runner import FileFinished, Runner, TensorReady
 from loaderplug.settings import Settings
 from loaderplug.tensor_sinks import mapped_tensors
@@ -53,6 +58,7 @@ class Share:
     size: int
     global_ranks: tuple[int, ...]  # each member's rank in the default group
     timeout_s: int
+    peers: tuple[Peer, ...] = ()  # the other members whose processes this one can watch
 
 
 def share_for(group: Any, settings: Settings) -> Share | None:
@@ -69,19 +75,40 @@ def share_for(group: Any, settings: Settings) -> Share | None:
     size = dist.get_world_size(group)
     if size <= 1:
         return None
-    hosts: list[Any] = [None] * size
-    _collective(dist.all_gather_object, hosts, _host_id(), group=group)
-    here = hosts[dist.get_rank(group)]
-    members = tuple(dist.get_global_rank(group, r) for r, host in enumerate(hosts) if host == here)
+    ranks: list[Any] = [None] * size
+    _collective(dist.all_gather_object, ranks, _RankProcess.here(), group=group)
+    me_here = ranks[dist.get_rank(group)]
+    here = [r for r, rank in enumerate(ranks) if rank.host == me_here.host]
+    members = tuple(dist.get_global_rank(group, r) for r in here)
     if len(members) <= 1:
         return None
+    peers = tuple(
+        Peer(dist.get_global_rank(group, r), ranks[r].pid)
+        for r in here
+        if ranks[r] != me_here
+        and me_here.pid_namespace is not None
+        and ranks[r].pid_namespace == me_here.pid_namespace
+    )
     timeout = datetime.timedelta(seconds=settings.distributed_timeout_s)
     # Only this host's ranks take part in making their group (every host makes its own).
     own = dist.new_group(
         list(members), timeout=timeout, backend="gloo", use_local_synchronization=True
     )
     me = members.index(dist.get_rank())
-    return Share(own, me, len(members), members, settings.distributed_timeout_s)
+    return Share(own, me, len(members), members, settings.distributed_timeout_s, peers)
+
+
+@dataclass(frozen=True)
+class _RankProcess:
+    """Where a rank runs: its host, and its process as the host's other ranks see it."""
+
+    host: str
+    pid: int
+    pid_namespace: str | None
+
+    @staticmethod
+    def here() -> _RankProcess:
+        return _RankProcess(_host_id(), os.getpid(), pid_namespace())
 
 
 def _host_id() -> str:
@@ -139,35 +166,39 @@ def shared_tensors(
 
     files = [Path(p) for p in paths]
     local = Path(local_dir) if local_dir is not None else None
-    try:
-        sizes = [_size(p) for p in files]
-    except LoaderplugError as exc:  # the others hear of it at their first step
-        try:
-            _step(share, ("error", str(exc)))
-        finally:
-            dist.destroy_process_group(share.group)
-        raise AssertionError("unreachable: the step raised") from exc
-    owner = owners(sizes, share.size)
-    mine = [f for f, r in zip(files, owner, strict=True) if r == share.rank]
-    mode = sharing_mode(files, device, local, settings)
-    if mode == "pagecache":
-        # Buffered, so what this rank reads stays in the page cache for the others.
-        settings = settings.replace(direct_io="off")
-    plan = load_plan(mine, device, settings, local, lock_each_file=True)
-    runner = Runner(plan, settings)
+    steps = _Steps(share, PeerWatch(share.peers))
     groups = [share.group]
     try:
+        try:
+            sizes = [_size(p) for p in files]
+        except LoaderplugError as exc:  # the others hear of it at their first step
+            steps.exchange(("error", str(exc)))
+            raise AssertionError("unreachable: the step raised") from exc
+        owner = owners(sizes, share.size)
+        mine = [f for f, r in zip(files, owner, strict=True) if r == share.rank]
+        mode = sharing_mode(files, device, local, settings)
+        if mode == "pagecache":
+            # Buffered, so what this rank reads stays in the page cache for the others.
+            settings = settings.replace(direct_io="off")
+        plan = load_plan(mine, device, settings, local, lock_each_file=True)
+        runner = Runner(plan, settings)
+        # A dead peer stops this rank's reading and wakes its wait for the next tensor.
+        steps.watch.on_death(lambda peer: runner.interrupt(steps.watch.error(peer)))
         if mode == "pagecache":
             final = [local / f.name if local is not None else f for f in files]
-            yield from _by_page_cache(runner, share, files, final)
+            yield from _by_page_cache(runner, steps, files, final)
         else:
             groups.append(_data_group(share, device))
-            yield from _by_broadcast(runner, share, device, groups[-1])
+            yield from _by_broadcast(runner, steps, device, groups[-1])
     finally:
+        # Past the last step (or failed everywhere): the peers may exit as they like.
+        steps.watch.close()
         # The groups are this load's: left behind, their threads abort the process at
-        # exit. Every rank is past the last step here (or the load failed everywhere).
+        # exit.
         for group in {id(g): g for g in groups}.values():
             dist.destroy_process_group(group)
+            if steps.pending is not None:
+                _abandon(group, steps.pending)
     if stats is not None:
         stats.update(
             report=runner.report,
@@ -204,20 +235,20 @@ def _size(path: Path) -> int:
 
 
 def _by_page_cache(
-    runner: Runner, share: Share, files: list[Path], final: list[Path]
+    runner: Runner, steps: _Steps, files: list[Path], final: list[Path]
 ) -> Iterator[tuple[str, Any]]:
     """Own tensors as they complete; at each own file done, a step: the files the other
     ranks finished meanwhile are mapped from the page cache and yielded."""
     index = {f.name: i for i, f in enumerate(files)}
     events = runner.events()
     try:
-        yield from _page_cache_steps(events, share, index, final)
+        yield from _page_cache_steps(events, steps, index, final)
     finally:
         events.close()  # stopped early, or another rank failed: stop reading
 
 
 def _page_cache_steps(
-    events: Iterator[Any], share: Share, index: dict[str, int], final: list[Path]
+    events: Iterator[Any], steps: _Steps, index: dict[str, int], final: list[Path]
 ) -> Iterator[tuple[str, Any]]:
     done = False
     while True:
@@ -240,11 +271,11 @@ def _page_cache_steps(
                     done = True
             except LoaderplugError as exc:
                 news, done = ("error", str(exc)), True
-        steps = _step(share, news)
-        for rank, step in enumerate(steps):
-            if rank != share.rank and step is not None and step[0] == "file":
+        said = steps.exchange(news)
+        for rank, step in enumerate(said):
+            if rank != steps.share.rank and step is not None and step[0] == "file":
                 yield from mapped_tensors(_header_of(final[step[1]]))
-        if all(step is None for step in steps):
+        if all(step is None for step in said):
             return
 
 
@@ -260,23 +291,23 @@ def _header_of(path: Path) -> Header:
 
 
 def _by_broadcast(
-    runner: Runner, share: Share, device: str, data_group: Any
+    runner: Runner, steps: _Steps, device: str, data_group: Any
 ) -> Iterator[tuple[str, Any]]:
     """A step per tensor: each rank offers its next own tensor, and every offered tensor
     is broadcast from its owner to the others over ``data_group``."""
     events = runner.events()
     try:
-        yield from _broadcast_steps(_own_tensors(events), share, device, data_group)
+        yield from _broadcast_steps(_own_tensors(events), steps, device, data_group)
     finally:
         events.close()
 
 
 def _broadcast_steps(
-    tensors: Iterator[tuple[str, Any]], share: Share, device: str, data_group: Any
+    tensors: Iterator[tuple[str, Any]], steps: _Steps, device: str, data_group: Any
 ) -> Iterator[tuple[str, Any]]:
     import torch
-    import torch.distributed as dist
 
+    share = steps.share
     done = False
     while True:
         offer: tuple[str, Any] | None = None
@@ -295,8 +326,8 @@ def _broadcast_steps(
                         "tensor",
                         (name, str(tensor.dtype).removeprefix("torch."), list(tensor.shape)),
                     )
-        steps = _step(share, offer)
-        for rank, step in enumerate(steps):
+        said = steps.exchange(offer)
+        for rank, step in enumerate(said):
             if step is None or step[0] != "tensor":
                 continue
             name, dtype_name, shape = step[1]
@@ -307,13 +338,13 @@ def _broadcast_steps(
                 tensor = _receive_buffer(getattr(torch, dtype_name), shape, device)
             raw = tensor.view(-1).view(torch.uint8) if tensor.numel() else tensor
             if raw.numel():
-                _collective(dist.broadcast, raw, src=share.global_ranks[rank], group=data_group)
+                steps.broadcast(raw, share.global_ranks[rank], data_group)
             item = [(name, tensor)]
             del raw, tensor
             if rank == share.rank:
                 own = None
             yield item.pop()  # see loaderplug.runner.Runner._hand_over
-        if all(step is None for step in steps):
+        if all(step is None for step in said):
             return
 
 
@@ -345,19 +376,77 @@ def _own_tensors(events: Iterator[Any]) -> Iterator[tuple[str, Any]]:
 # -- steps -----------------------------------------------------------------------------
 
 
-def _step(share: Share, news: tuple[str, Any] | None) -> list[tuple[str, Any] | None]:
-    """Tell the other ranks ``news`` and hear theirs; an error anywhere is raised here,
-    on every rank alike."""
-    import torch.distributed as dist
+# How long a failed collective waits to see whether a peer died, to name it.
+PEER_EXIT_S = 1.0
 
-    steps: list[Any] = [None] * share.size
-    _collective(dist.all_gather_object, steps, news, group=share.group)
-    for rank, step in enumerate(steps):
-        if step is not None and step[0] == "error":
-            raise DistributedError(
-                f"rank {share.global_ranks[rank]} of the shared load failed: {step[1]}"
-            )
-    return steps
+
+class _Steps:
+    """The share's collectives, each waited for with an eye on the peers: a collective
+    on the share's (gloo) group is started asynchronously and waited for in short
+    slices, so a peer's death ends the wait at once, whatever gloo makes of it."""
+
+    # How long one slice of a wait is: the most a death can go unnoticed in a wait.
+    WAKE = datetime.timedelta(milliseconds=250)
+
+    def __init__(self, share: Share, watch: PeerWatch) -> None:
+        self.share = share
+        self.watch = watch
+        self.pending: Any = None  # a collective not waited out (a peer died during it)
+
+    def exchange(self, news: tuple[str, Any] | None) -> list[tuple[str, Any] | None]:
+        """Tell the other ranks ``news`` and hear theirs; an error anywhere (a rank's
+        error, a dead rank) is raised here, on every rank alike."""
+        import torch
+        import torch.distributed as dist
+
+        self.watch.check()
+        size, group = self.share.size, self.share.group
+        # As all_gather_object does, in two collectives (lengths, then the padded
+        # bytes), but asynchronous, so the wait can watch the peers.
+        payload = torch.frombuffer(bytearray(pickle.dumps(news)), dtype=torch.uint8)
+        length = torch.tensor([payload.numel()], dtype=torch.int64)
+        lengths = [torch.zeros(1, dtype=torch.int64) for _ in range(size)]
+        self._wait(dist.all_gather(lengths, length, group=group, async_op=True))
+        longest = max(int(n.item()) for n in lengths)
+        padded = torch.zeros(longest, dtype=torch.uint8)
+        padded[: payload.numel()] = payload
+        gathered = [torch.empty(longest, dtype=torch.uint8) for _ in range(size)]
+        self._wait(dist.all_gather(gathered, padded, group=group, async_op=True))
+        said: list[tuple[str, Any] | None] = [
+            pickle.loads(data[: int(n.item())].numpy().tobytes())
+            for data, n in zip(gathered, lengths, strict=True)
+        ]
+        for rank, step in enumerate(said):
+            if step is not None and step[0] == "error":
+                raise DistributedError(
+                    f"rank {self.share.global_ranks[rank]} of the shared load failed: {step[1]}"
+                )
+        return said
+
+    def broadcast(self, raw: Any, src: int, group: Any) -> None:
+        """``raw`` from global rank ``src`` to the others over ``group``: the share's
+        own, watched, or an NCCL group (blocking: NCCL's own watchdog guards it)."""
+        import torch.distributed as dist
+
+        if group is not self.share.group:
+            _collective(dist.broadcast, raw, src=src, group=group)
+            return
+        self._wait(dist.broadcast(raw, src=src, group=group, async_op=True))
+
+    def _wait(self, work: Any) -> None:
+        self.pending = work
+        while True:
+            self.watch.check()
+            try:
+                work.wait(timeout=self.WAKE)
+                self.pending = None
+                return
+            except RuntimeError as exc:
+                if not work.is_completed():
+                    continue  # only this slice of the wait ran out
+                # A peer's death closes its sockets a moment before it is seen to exit.
+                self.watch.check(wait_s=PEER_EXIT_S)
+                raise _stopped_answering(exc) from exc
 
 
 def _collective(op: Any, *args: Any, **kwargs: Any) -> Any:
@@ -368,7 +457,23 @@ def _collective(op: Any, *args: Any, **kwargs: Any) -> Any:
     except RuntimeError as exc:
         if isinstance(exc, LoaderplugError):
             raise
-        raise DistributedError(
-            f"a rank of the shared load stopped answering ({exc}); it may have died, or "
-            f"be slower than LOADERPLUG_DISTRIBUTED_TIMEOUT_S allows"
-        ) from exc
+        raise _stopped_answering(exc) from exc
+
+
+def _abandon(group: Any, work: Any) -> None:
+    """Keep ``group`` and its ``work`` alive for good. A collective left pending when a
+    peer died is not always failed by gloo (a receive from the dead rank can wait for
+    the whole timeout), and freeing its group joins gloo's thread, which waits for that
+    receive: the rank would hang where it raised, or at exit, for up to ten minutes.
+    Never freed, the group costs a thread and a few sockets until the process ends."""
+    import ctypes
+
+    for kept in (group, work):
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(kept))
+
+
+def _stopped_answering(exc: BaseException) -> DistributedError:
+    return DistributedError(
+        f"a rank of the shared load stopped answering ({exc}); it may have died, or be "
+        f"slower than LOADERPLUG_DISTRIBUTED_TIMEOUT_S allows"
+    )

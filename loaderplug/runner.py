@@ -119,8 +119,10 @@ class Runner:
         self._sizing = default_sizing(settings)
         # Early ranges kept aside to hash files in order (see loaderplug.digest).
         self._window = ReorderWindow(settings.bytes_in_flight)
-        # Events from the engine's threads for the consumer's; None: the engine is done.
-        self._ready: queue.SimpleQueue[Event | None] = queue.SimpleQueue()
+        # Events from the engine's threads for the consumer's; None: the engine is done;
+        # an exception: raise it (see interrupt).
+        self._ready: queue.SimpleQueue[Event | BaseException | None] = queue.SimpleQueue()
+        self._interrupted: BaseException | None = None
 
     def tensors(self) -> Iterator[tuple[str, Any]]:
         """Run the job; for a load, yield ``(name, tensor)`` as each completes."""
@@ -129,6 +131,13 @@ class Runner:
                 item = [(event.name, event.tensor)]
                 del event
                 yield item.pop()  # see Runner._hand_over
+
+    def interrupt(self, exc: BaseException) -> None:
+        """From any thread: stop a load, raising ``exc`` to its consumer where it waits
+        for the next tensor, or as soon as it asks for one (before any it has not taken
+        yet). Ranks sharing a load call it when one of them dies."""
+        self._interrupted = exc
+        self._ready.put(exc)
 
     def events(self) -> Generator[Event, None, None]:
         """Run the job, yielding each tensor as it completes and each file of a load
@@ -406,7 +415,7 @@ class Runner:
             worker.start()
             try:
                 yield from self._hand_over_mapped(prepared, started)
-                while (event := self._ready.get()) is not None:
+                while (event := self._next_event()) is not None:
                     if isinstance(event, TensorReady):
                         self.plan.tensors.taken(event.tensor)
                         self._hand_over(event, started)
@@ -424,6 +433,14 @@ class Runner:
             return stats
         finally:
             self._close_progress()
+
+    def _next_event(self) -> Event | None:
+        if self._interrupted is not None:
+            raise self._interrupted
+        event = self._ready.get()
+        if isinstance(event, BaseException):
+            raise event
+        return event
 
     def _hand_over_mapped(self, prepared: _Prepared, started: float) -> Iterator[Event]:
         for rel, header in prepared.mapped:

@@ -4,9 +4,13 @@ Usage: python rank_load.py INIT_FILE RANK WORLD FILE...
 
 Environment: RANK_LOCAL_DIR (a one pass into it), RANK_FAIL (this rank's reads of files
 whose name contains it fail with EACCES), RANK_DIE_AFTER (this rank dies after that many
-tensors), RANK_GROUP=none (no group passed: the default group is found), and every
-LOADERPLUG_* setting. Prints {"tensors": {name: [dtype, shape, crc32]}, "reads": {file:
-bytes read through the source hook}, "error": message or null, "seconds": s}.
+tensors), RANK_DIE_AT_S (this rank kills itself with SIGKILL that many seconds into the
+load, whatever it is doing, saying "dying at <unix time>" on stderr first),
+RANK_CONSUMER_SLEEP_S (the consumer sleeps that long over the first tensor),
+RANK_TENSOR_SLEEP_S (and that long over every tensor), RANK_GROUP=none (no group
+passed: the default group is found), and every LOADERPLUG_* setting. Prints {"tensors":
+{name: [dtype, shape, crc32]}, "reads": {file: bytes read through the source hook},
+"error": message or null, "seconds": s, "failed_at": unix time of the error}.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import datetime
 import errno
 import json
 import os
+import signal
 import sys
 import threading
 import time
@@ -51,6 +56,11 @@ class Count:
         return CountingSource(path, policy)
 
 
+def die() -> None:
+    print(f"dying at {time.time()}", file=sys.stderr, flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
 def main() -> int:
     init, rank, world = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     files = sys.argv[4:]
@@ -63,6 +73,11 @@ def main() -> int:
     )
     plugins.register(Count())
     die_after = int(os.environ.get("RANK_DIE_AFTER", "0"))
+    die_at = float(os.environ.get("RANK_DIE_AT_S", "0"))
+    consumer_sleep = float(os.environ.get("RANK_CONSUMER_SLEEP_S", "0"))
+    tensor_sleep = float(os.environ.get("RANK_TENSOR_SLEEP_S", "0"))
+    if die_at:
+        threading.Timer(die_at, die).start()
     group = None if os.environ.get("RANK_GROUP") == "none" else dist.group.WORLD
     out: dict[str, object] = {"tensors": {}, "error": None}
     started = time.monotonic()
@@ -82,8 +97,12 @@ def main() -> int:
             out["tensors"][name] = [dtype, list(tensor.shape), zlib.crc32(raw)]  # type: ignore[index]
             if die_after and n >= die_after:
                 os._exit(9)
+            if consumer_sleep and n == 1:
+                time.sleep(consumer_sleep)
+            time.sleep(tensor_sleep)
     except LoaderplugError as exc:
         out["error"] = f"{type(exc).__name__}: {exc}"
+        out["failed_at"] = time.time()
     out["seconds"] = time.monotonic() - started
     out["reads"] = reads
     out["sharing"] = stats.get("sharing")

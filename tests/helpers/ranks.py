@@ -4,6 +4,7 @@ have received."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import time
@@ -61,5 +62,13 @@ def run_ranks(
     outs = []
     for proc in procs:
         out, err = proc.communicate(timeout=timeout_s)
-        outs.append(json.loads(out) if out.strip() else {"exit": proc.returncode, "stderr": err})
+        said = json.loads(out) if out.strip() else {"exit": proc.returncode, "stderr": err}
+        said["exited_at"] = time.time()  # when this rank was seen gone (the ones before too)
+        outs.append(said)
     return outs, time.monotonic() - started
+
+
+def died_at(out: dict[str, Any]) -> float | None:
+    """When a rank killed by RANK_DIE_AT_S died (unix time), from its stderr."""
+    found = re.search(r"dying at ([0-9.]+)", out.get("stderr", ""))
+    return float(found.group(1)) if found else None

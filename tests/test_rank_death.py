@@ -1,0 +1,137 @@
+"""A rank that dies is noticed in seconds, not after the collective timeout: every other
+rank of the shared load raises ``DistributedError`` naming it, whatever it was doing,
+at the default ``LOADERPLUG_DISTRIBUTED_TIMEOUT_S`` (600 s); a rank that is only slow is
+never taken for dead; and the next start completes what the failed one left.
+
+The delays are printed (``-s``) rather than held to a figure: the bound asserted is a
+tenth of the timeout, which only noticing the death itself can meet.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+
+from loaderplug.testing.model import write_model
+from loaderplug.testing.volume import VolumeProfile, fuse_unavailable_reason, mounted
+from loaderplug.units import MiB
+from tests.conftest import leftover_temps
+from tests.helpers.ranks import died_at, expected, run_ranks
+
+pytest.importorskip("torch")
+pytest.importorskip("safetensors")
+pytest.importorskip("torch.distributed")
+
+DEFAULT_TIMEOUT_S = 600
+NOTICED_WITHIN_S = DEFAULT_TIMEOUT_S / 10
+# Each consumer takes a moment over every tensor (as a copy to the GPU does), so the
+# load lasts a few seconds and a kill lands in the middle of it.
+PACED = {"RANK_TENSOR_SLEEP_S": "0.02"}
+
+
+def model(folder: Path) -> list[Path]:
+    write_model(folder, 96 * MiB, shards=6, tensors_per_shard=24)
+    return sorted(folder.glob("*.safetensors"))
+
+
+def kill_one(tmp_path: Path, files: list[Path], world: int, local: Path, seed: int) -> list[float]:
+    """Kill one rank (not rank 0) at a random point of a one pass into ``local``; the
+    others' delays between its death and their error, each checked to name it."""
+    rng = random.Random(seed)
+    victim = rng.randrange(1, world)
+    die_at = f"{rng.uniform(0.5, 2.0):.2f}"
+    outs, _ = run_ranks(
+        tmp_path,
+        files,
+        world,
+        {**PACED, "RANK_LOCAL_DIR": str(local)},
+        per_rank={victim: {"RANK_DIE_AT_S": die_at}},
+        timeout_s=DEFAULT_TIMEOUT_S + 60,
+    )
+    death = died_at(outs[victim])
+    assert death is not None and outs[victim]["exit"] == -9, outs[victim]
+    delays, exits = [], []
+    for rank, out in enumerate(outs):
+        if rank == victim:
+            continue
+        error = out.get("error") or ""
+        assert f"rank {victim} of the shared load died" in error, (rank, out)
+        delays.append(round(out["failed_at"] - death, 3))
+        exits.append(round(out["exited_at"] - death, 1))
+    said = f"raised {delays} s, exited {exits} s after"
+    print(f"world {world}: rank {victim} killed {die_at} s in; {said}")
+    assert max(exits) < NOTICED_WITHIN_S
+    assert max(delays) < NOTICED_WITHIN_S
+    return delays
+
+
+def rerun_completes(tmp_path: Path, files: list[Path], world: int, local: Path) -> None:
+    """The next start (another number of ranks) completes the copy, every file whole."""
+    assert all(p.name.startswith(".") for p in leftover_temps(local))
+    outs, _ = run_ranks(tmp_path, files, world, {"RANK_LOCAL_DIR": str(local)})
+    want = expected(files)
+    assert all(out.get("error") is None and out["tensors"] == want for out in outs), outs
+    assert {f.name: (local / f.name).read_bytes() for f in files} == {
+        f.name: f.read_bytes() for f in files
+    }
+    assert leftover_temps(local) == []
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_a_killed_rank_is_named_by_the_others_at_once_from_local_disk(
+    tmp_path: Path, world: int
+) -> None:
+    files = model(tmp_path / "model")
+    local = tmp_path / "local"
+    kill_one(tmp_path, files, world, local, seed=world)
+    rerun_completes(tmp_path, files, 6 - world, local)
+
+
+@pytest.mark.skipif(
+    fuse_unavailable_reason() is not None, reason=f"FUSE: {fuse_unavailable_reason()}"
+)
+@pytest.mark.parametrize("world", [2, 4])
+def test_a_killed_rank_is_named_by_the_others_at_once_from_the_mirror(
+    tmp_path: Path, world: int
+) -> None:
+    model(tmp_path / "backing")
+    local = tmp_path / "local"
+    with mounted(tmp_path / "backing", tmp_path / "mnt", VolumeProfile.network_volume()) as vol:
+        files = sorted(vol.mountpoint.glob("*.safetensors"))
+        kill_one(tmp_path, files, world, local, seed=10 + world)
+        rerun_completes(tmp_path, files, 6 - world, local)
+
+
+def test_a_rank_whose_consumer_is_slow_is_not_taken_for_dead(tmp_path: Path) -> None:
+    files = model(tmp_path / "model")
+    outs, took = run_ranks(
+        tmp_path,
+        files,
+        2,
+        {"RANK_LOCAL_DIR": str(tmp_path / "local")},
+        per_rank={1: {"RANK_CONSUMER_SLEEP_S": "7"}},
+    )
+    want = expected(files)
+    assert all(out.get("error") is None and out["tensors"] == want for out in outs), outs
+    assert took > 7
+
+
+def test_a_survivor_whose_consumer_holds_a_tensor_raises_when_it_asks_again(
+    tmp_path: Path,
+) -> None:
+    files = model(tmp_path / "model")
+    outs, _ = run_ranks(
+        tmp_path,
+        files,
+        2,
+        {"RANK_LOCAL_DIR": str(tmp_path / "local")},
+        per_rank={0: {"RANK_CONSUMER_SLEEP_S": "4"}, 1: {"RANK_DIE_AT_S": "1"}},
+    )
+    death = died_at(outs[1])
+    assert death is not None
+    error = outs[0].get("error") or ""
+    assert "rank 1 of the shared load died" in error, outs[0]
+    # Raised as soon as the consumer asked for the next tensor, not a collective later.
+    assert len(outs[0]["tensors"]) == 1, outs[0]
