@@ -228,3 +228,87 @@ def test_volcache_at_tensor_parallel_two_generates_what_safetensors_does(
         # Published under a lock of its own: the workers split the shards between them
         # (alone, a worker locks the whole copy and the other then reads it locally).
         assert (copy / f".{shard.name}.loaderplug-lock").exists()
+
+
+def test_a_worker_killed_during_a_tensor_parallel_load_ends_the_start_in_seconds(
+    tmp_path: Path,
+) -> None:
+    """vLLM at TP=2 on volcache, the model on a slow mirror; worker TP1 is killed with
+    SIGKILL while the shards are being read. The engine's start fails at once (vLLM's
+    own worker monitor or loaderplug in the other worker, whichever is first: the test
+    prints which), not after ``LOADERPLUG_DISTRIBUTED_TIMEOUT_S``."""
+    import subprocess
+    import sys
+    import threading
+
+    from tests.helpers.tiny_llama import write_tiny_llama
+    from tests.helpers.vllm_runner import RESULT_PREFIX
+
+    write_tiny_llama(
+        tmp_path / "backing" / "llama", shards=3, hidden_size=256, num_layers=8,
+        intermediate_size=1024,
+    )  # fmt: skip
+    local_dir = tmp_path / "local"
+    profile = VolumeProfile(per_stream_bytes_per_s=4 * MiB, latency_s=0.001)
+    with mounted(tmp_path / "backing", tmp_path / "mnt", profile) as vol:
+        case = {"model": str(vol.mountpoint / "llama"), "load_format": "volcache", "llm": TP2}
+        env = {
+            **vllm_env(Mirror(vol, tmp_path, tmp_path, tmp_path), local_dir),
+            "VLLM_CPU_OMP_THREADS_BIND": "0|1",
+        }
+        runner = subprocess.Popen(
+            [sys.executable, "-m", "tests.helpers.vllm_runner", "--cases", json.dumps([case])],
+            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )  # fmt: skip
+        lines: list[str] = []
+        reader = threading.Thread(target=lambda: lines.extend(runner.stdout or []), daemon=True)
+        reader.start()
+        try:
+            killed_at = kill_worker_once_reading(runner.pid, local_dir, "Worker_TP1")
+            runner.wait(timeout=600)
+        finally:
+            if runner.poll() is None:
+                runner.kill()
+        reader.join(10)
+    log = "".join(lines)
+    results = [line for line in lines if line.startswith(RESULT_PREFIX)]
+    assert results, log[-5000:]
+    (result,) = json.loads(results[-1][len(RESULT_PREFIX) :])
+    assert not result["ok"], result
+    delay = result["failed_at"] - killed_at
+    noticed_by = [
+        who
+        for who, said in (
+            ("vLLM's worker monitor", "died unexpectedly"),
+            ("loaderplug", "rank 1 of the shared load died"),
+        )
+        if said in log
+    ]
+    print(f"start failed {delay:.2f} s after the kill; said by {noticed_by}: {result['error']}")
+    assert noticed_by, log[-5000:]
+    assert delay < 60, (delay, log[-5000:])  # a tenth of the collective timeout
+
+
+def kill_worker_once_reading(runner_pid: int, local_dir: Path, title: str) -> float:
+    """SIGKILL the runner's worker process whose title holds ``title`` once a partial
+    copy shows up in ``local_dir`` (the load is under way); when it was killed."""
+    import signal
+    import time
+
+    import psutil
+
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if local_dir.exists() and any(local_dir.rglob(".*.loaderplug-partial")):
+            break
+        time.sleep(0.02)
+    else:
+        raise AssertionError("the load never started")
+    for proc in psutil.Process(runner_pid).children(recursive=True):
+        try:
+            if title in " ".join(proc.cmdline()):
+                proc.send_signal(signal.SIGKILL)
+                return time.time()
+        except psutil.NoSuchProcess:
+            continue
+    raise AssertionError(f"no worker process titled {title}")

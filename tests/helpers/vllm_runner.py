@@ -250,7 +250,8 @@ def run_cases(cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
             try:
                 result = generate(Path(case["model"]), case["load_format"], **case.get("llm", {}))
             except Exception as exc:
-                results.append({"ok": False, "error": f"{type(exc).__name__}: {exc}"})
+                error = f"{type(exc).__name__}: {exc}"
+                results.append({"ok": False, "error": error, "failed_at": time.time()})
                 cleanup_dist_env_and_memory()  # a failed start leaves it initialised
             else:
                 results.append({"ok": True, **result})
