@@ -236,7 +236,8 @@ class Settings:
         "int",
         600,
         "Seconds a rank waits for the others at each step of a shared load (one file "
-        "read); a rank that failed or died makes the others fail within it.",
+        "read); a rank that failed makes the others fail within it. A rank that dies on "
+        "this host is noticed at once, without waiting for it.",
         minimum=1,
         maximum=24 * 3600,
     )

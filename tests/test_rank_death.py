@@ -3,8 +3,11 @@ rank of the shared load raises ``DistributedError`` naming it, whatever it was d
 at the default ``LOADERPLUG_DISTRIBUTED_TIMEOUT_S`` (600 s); a rank that is only slow is
 never taken for dead; and the next start completes what the failed one left.
 
-The delays are printed (``-s``) rather than held to a figure: the bound asserted is a
-tenth of the timeout, which only noticing the death itself can meet.
+What is asserted is the mechanism: the survivors' error names the death, which only the
+watch on the peers' processes says (a collective that fails says a rank "stopped
+answering"), and a survivor that waited out the collective timeout would outlive the
+runner's patience (a tenth of that timeout). The delays are printed (``-s``); the
+figures are in the closing note of the change.
 """
 
 from __future__ import annotations
@@ -24,8 +27,9 @@ pytest.importorskip("torch")
 pytest.importorskip("safetensors")
 pytest.importorskip("torch.distributed")
 
-DEFAULT_TIMEOUT_S = 600
-NOTICED_WITHIN_S = DEFAULT_TIMEOUT_S / 10
+# The ranks run at the default LOADERPLUG_DISTRIBUTED_TIMEOUT_S (600 s); one that hangs
+# for a tenth of it fails the test.
+PATIENCE_S = 60
 # Each consumer takes a moment over every tensor (as a copy to the GPU does), so the
 # load lasts a few seconds and a kill lands in the middle of it.
 PACED = {"RANK_TENSOR_SLEEP_S": "0.02"}
@@ -48,7 +52,7 @@ def kill_one(tmp_path: Path, files: list[Path], world: int, local: Path, seed: i
         world,
         {**PACED, "RANK_LOCAL_DIR": str(local)},
         per_rank={victim: {"RANK_DIE_AT_S": die_at}},
-        timeout_s=DEFAULT_TIMEOUT_S + 60,
+        timeout_s=PATIENCE_S,
     )
     death = died_at(outs[victim])
     assert death is not None and outs[victim]["exit"] == -9, outs[victim]
@@ -62,14 +66,14 @@ def kill_one(tmp_path: Path, files: list[Path], world: int, local: Path, seed: i
         exits.append(round(out["exited_at"] - death, 1))
     said = f"raised {delays} s, exited {exits} s after"
     print(f"world {world}: rank {victim} killed {die_at} s in; {said}")
-    assert max(exits) < NOTICED_WITHIN_S
-    assert max(delays) < NOTICED_WITHIN_S
     return delays
 
 
 def rerun_completes(tmp_path: Path, files: list[Path], world: int, local: Path) -> None:
-    """The next start (another number of ranks) completes the copy, every file whole."""
-    assert all(p.name.startswith(".") for p in leftover_temps(local))
+    """What the failed start left is whole files and resumable partials (hidden); the
+    next start, with another number of ranks, completes the copy."""
+    published = [p for p in local.iterdir() if not p.name.startswith(".")]
+    assert all(p.read_bytes() == (files[0].parent / p.name).read_bytes() for p in published)
     outs, _ = run_ranks(tmp_path, files, world, {"RANK_LOCAL_DIR": str(local)})
     want = expected(files)
     assert all(out.get("error") is None and out["tensors"] == want for out in outs), outs
