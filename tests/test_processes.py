@@ -45,7 +45,9 @@ def published_files_are_complete(src: Path, dst: Path) -> None:
 
 def test_sigint_stops_after_the_reads_in_flight_and_cleans_up(model: Path, tmp_path: Path) -> None:
     dst, reads = tmp_path / "local", tmp_path / "reads.log"
-    proc = start(model, dst, 0.2, read_log=reads)
+    # Reads slow enough that a signal delivered late on a busy machine still lands
+    # mid-copy (at 0.2 s a whole copy can end before it: four rounds of eight reads).
+    proc = start(model, dst, 0.5, read_log=reads)
     wait_for_temps(dst, proc, read_log=reads)
     proc.send_signal(signal.SIGINT)
     started_before = len(reads.read_text().splitlines())
