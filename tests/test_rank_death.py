@@ -77,6 +77,11 @@ def rerun_completes(tmp_path: Path, files: list[Path], world: int, local: Path) 
     outs, _ = run_ranks(tmp_path, files, world, {"RANK_LOCAL_DIR": str(local)})
     want = expected(files)
     assert all(out.get("error") is None and out["tensors"] == want for out in outs), outs
+    # Only what was missing is read again: no published file is read from the source.
+    mirror = files[0].parent
+    read_again = {Path(path).name for out in outs for path in out["read_paths"]
+                  if Path(path).parent == mirror}  # fmt: skip
+    assert not read_again & {p.name for p in published}, (read_again, published)
     assert {f.name: (local / f.name).read_bytes() for f in files} == {
         f.name: f.read_bytes() for f in files
     }

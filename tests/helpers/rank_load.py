@@ -10,7 +10,8 @@ RANK_CONSUMER_SLEEP_S (the consumer sleeps that long over the first tensor),
 RANK_TENSOR_SLEEP_S (and that long over every tensor), RANK_GROUP=none (no group
 passed: the default group is found), and every LOADERPLUG_* setting. Prints {"tensors":
 {name: [dtype, shape, crc32]}, "reads": {file: bytes read through the source hook},
-"error": message or null, "seconds": s, "failed_at": unix time of the error}.
+"read_paths": the same by path, "error": message or null, "seconds": s, "failed_at":
+unix time of the error}.
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ from loaderplug.reader import iter_tensors
 from loaderplug.source import PosixSource
 from loaderplug.types import IOPolicy
 
-reads: dict[str, int] = {}
+reads: dict[str, int] = {}  # by file name
+read_paths: dict[str, int] = {}  # by path: the mirror's file or the local copy
 lock = threading.Lock()
 FAIL = os.environ.get("RANK_FAIL", "")
 
@@ -47,6 +49,7 @@ class CountingSource(PosixSource):
         got = super().pread_into(buf, offset)
         with lock:
             reads[Path(self.path).name] = reads.get(Path(self.path).name, 0) + got
+            read_paths[self.path] = read_paths.get(self.path, 0) + got
         return got
 
 
@@ -105,6 +108,7 @@ def main() -> int:
         out["failed_at"] = time.time()
     out["seconds"] = time.monotonic() - started
     out["reads"] = reads
+    out["read_paths"] = read_paths
     out["sharing"] = stats.get("sharing")
     print(json.dumps(out))
     return 0
