@@ -31,6 +31,19 @@ FAST = {
 }
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Tests marked ``fuse`` are skipped, with the reason, where FUSE is missing."""
+    fuse_tests = [item for item in items if item.get_closest_marker("fuse")]
+    if not fuse_tests:
+        return
+    from loaderplug.testing.volume import fuse_unavailable_reason
+
+    reason = fuse_unavailable_reason()
+    if reason is not None:
+        for item in fuse_tests:
+            item.add_marker(pytest.mark.skip(reason=f"FUSE: {reason}"))
+
+
 @pytest.fixture(autouse=True)
 def _clean_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     for name in list(os.environ):

@@ -11,16 +11,13 @@ import pytest
 from loaderplug.bench import run_bench
 from loaderplug.cli import main
 from loaderplug.testing.model import write_model
-from loaderplug.testing.volume import VolumeProfile, fuse_unavailable_reason, mounted
+from loaderplug.testing.volume import VolumeProfile, mounted
 from loaderplug.units import MiB
 from tests.conftest import tree_bytes
 
-needs_fuse = pytest.mark.skipif(
-    fuse_unavailable_reason() is not None, reason=f"FUSE: {fuse_unavailable_reason()}"
-)
 
-
-@needs_fuse
+@pytest.mark.slow
+@pytest.mark.fuse
 def test_a_per_stream_capped_volume_is_told_to_use_more_streams(tmp_path: Path) -> None:
     backing = tmp_path / "backing"
     write_model(backing, 16 * MiB, shards=2)

@@ -151,6 +151,7 @@ def test_doctor_shows_each_decision_and_where_settings_came_from(tmp_path: Path)
     assert "LOADERPLUG_BYTES_IN_FLIGHT=512 MiB  (default)" in done.stdout
 
 
+@pytest.mark.slow
 def test_load_hydrates_and_loads_in_one_pass(model: Path, tmp_path: Path) -> None:
     pytest.importorskip("torch")
     done = run("load", "--from", str(model), "--to", str(tmp_path / "l"), "--json")
@@ -166,6 +167,7 @@ def test_load_hydrates_and_loads_in_one_pass(model: Path, tmp_path: Path) -> Non
     assert all((tmp_path / "l" / p.name).read_bytes() == p.read_bytes() for p in shards)
 
 
+@pytest.mark.slow
 def test_load_of_a_corrupt_file_exits_1_with_the_format_error(tmp_path: Path) -> None:
     pytest.importorskip("torch")
     bad = tmp_path / "bad.safetensors"

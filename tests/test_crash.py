@@ -15,6 +15,8 @@ from loaderplug.units import MiB
 from tests.conftest import FAST
 from tests.helpers.crash import files_of, kill_trial, soak
 
+pytestmark = [pytest.mark.crash, pytest.mark.slow]
+
 TRIALS = int(os.environ.get("LOADERPLUG_CRASH_TRIALS", "3"))
 
 

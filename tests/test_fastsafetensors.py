@@ -16,16 +16,11 @@ from loaderplug.integrations import fastsafetensors as lp_fst
 from loaderplug.testing.volume import (
     TestVolume,
     VolumeProfile,
-    fuse_unavailable_reason,
     mounted,
 )
 from loaderplug.units import MiB
 from tests.conftest import drop_from_page_cache
 from tests.helpers.tensors import reference, same, write_shards
-
-needs_fuse = pytest.mark.skipif(
-    fuse_unavailable_reason() is not None, reason=f"FUSE: {fuse_unavailable_reason()}"
-)
 
 
 @pytest.fixture
@@ -65,7 +60,7 @@ def load_with(files: list[str], how: str) -> dict[str, object]:
     return dict(loader.iterate_weights())
 
 
-@needs_fuse
+@pytest.mark.fuse
 @pytest.mark.parametrize("how", ["fastsafe_open", "SafeTensorsFileLoader", "ParallelLoader"])
 def test_mirror_files_are_hydrated_first_and_tensors_equal_safetensors(
     fuse_mirror: TestVolume, tmp_path: Path, how: str, installed: None
@@ -80,7 +75,7 @@ def test_mirror_files_are_hydrated_first_and_tensors_equal_safetensors(
         assert (copy / name).read_bytes() == (tmp_path / "backing" / name).read_bytes()
 
 
-@needs_fuse
+@pytest.mark.fuse
 def test_fastsafetensors_is_told_loaderplugs_direct_or_buffered_choice(
     fuse_mirror: TestVolume, tmp_path: Path, installed: None, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -122,7 +117,8 @@ def test_too_old_a_fastsafetensors_is_refused() -> None:
         lp_fst._check_version("0.4.9")
 
 
-@needs_fuse
+@pytest.mark.slow
+@pytest.mark.fuse
 def test_vllms_fastsafetensors_load_format_hydrates_first(
     fuse_mirror: TestVolume, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -151,7 +147,8 @@ def test_vllms_fastsafetensors_load_format_hydrates_first(
     assert handed == [str(copy / Path(f).name) for f in files]
 
 
-@needs_fuse
+@pytest.mark.slow
+@pytest.mark.fuse
 def test_the_example_script_reads_a_mirror_through_loaderplug(
     fuse_mirror: TestVolume, tmp_path: Path
 ) -> None:

@@ -16,15 +16,12 @@ from loaderplug.testing.volume import (
     Replace,
     TestVolume,
     VolumeProfile,
-    fuse_unavailable_reason,
     mounted,
 )
 from loaderplug.units import MiB
 from tests.conftest import FAST, leftover_temps, tree_bytes
 
-pytestmark = pytest.mark.skipif(
-    fuse_unavailable_reason() is not None, reason=f"FUSE: {fuse_unavailable_reason()}"
-)
+pytestmark = pytest.mark.fuse
 SHARD2 = "model-00002-of-00004.safetensors"
 
 
@@ -72,6 +69,7 @@ def test_enomem_storm_under_load_is_retried_and_bytes_are_identical(
     assert tree_bytes(tmp_path / "local") == tree_bytes(backing)
 
 
+@pytest.mark.slow
 def test_auto_workers_back_off_below_the_in_flight_count_that_draws_enomem(
     tmp_path: Path,
 ) -> None:

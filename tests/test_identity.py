@@ -19,14 +19,10 @@ from loaderplug.errors import TransferFailed
 from loaderplug.hookspecs import hookimpl
 from loaderplug.source import PosixSource
 from loaderplug.testing.model import write_model
-from loaderplug.testing.volume import VolumeProfile, fuse_unavailable_reason, mounted
+from loaderplug.testing.volume import VolumeProfile, mounted
 from loaderplug.types import Identity, IOPolicy, same_mtime
 from loaderplug.units import MiB
 from tests.conftest import FAST, tree_bytes
-
-needs_fuse = pytest.mark.skipif(
-    fuse_unavailable_reason() is not None, reason=f"FUSE: {fuse_unavailable_reason()}"
-)
 
 
 def test_an_identity_ignores_the_inode_only_where_inodes_are_not_stable() -> None:
@@ -92,7 +88,7 @@ def fuse_model(tmp_path: Path) -> Iterator[Path]:
         yield tmp_path / "mnt" / "model"
 
 
-@needs_fuse
+@pytest.mark.fuse
 def test_inode_numbers_that_change_on_a_fuse_mirror_fail_nothing(
     fuse_model: Path, tmp_path: Path
 ) -> None:
@@ -113,7 +109,7 @@ def test_a_new_inode_on_local_disk_is_still_a_changed_file(
     assert reasons and all("changed" in reason for reason in reasons), reasons
 
 
-@needs_fuse
+@pytest.mark.fuse
 def test_a_file_replaced_on_a_fuse_mirror_mid_copy_is_never_published(
     tmp_path: Path, register_plugin: Callable[[object], object]
 ) -> None:
@@ -155,7 +151,7 @@ def test_a_file_replaced_on_a_fuse_mirror_mid_copy_is_never_published(
     assert not (tmp_path / "local" / victim.name).exists()
 
 
-@needs_fuse
+@pytest.mark.fuse
 def test_doctor_says_whether_inode_numbers_are_stable(fuse_model: Path, tmp_path: Path) -> None:
     said = doctor([str(fuse_model), str(tmp_path)], environ={})
     on_fuse, local = said.splitlines()[:2]
@@ -163,7 +159,7 @@ def test_doctor_says_whether_inode_numbers_are_stable(fuse_model: Path, tmp_path
     assert "inode numbers stable" in local, local
 
 
-@needs_fuse
+@pytest.mark.fuse
 def test_the_one_pass_from_a_fuse_mirror_whose_inodes_change_completes(
     fuse_model: Path, tmp_path: Path
 ) -> None:

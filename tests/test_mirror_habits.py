@@ -24,7 +24,6 @@ from loaderplug.testing.model import write_model
 from loaderplug.testing.volume import (
     Replace,
     VolumeProfile,
-    fuse_unavailable_reason,
     mounted,
 )
 from loaderplug.units import MiB
@@ -33,9 +32,7 @@ from tests.hubserver import HubServer
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("safetensors")
-pytestmark = pytest.mark.skipif(
-    fuse_unavailable_reason() is not None, reason=f"FUSE: {fuse_unavailable_reason()}"
-)
+pytestmark = [pytest.mark.fuse, pytest.mark.slow]
 
 # Each habit alone, then all of them at once.
 HABITS = {

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from loaderplug.testing.model import write_model
-from loaderplug.testing.volume import VolumeProfile, fuse_unavailable_reason, mounted
+from loaderplug.testing.volume import VolumeProfile, mounted
 from loaderplug.units import MiB
 from tests.conftest import leftover_temps
 from tests.helpers.ranks import died_at, expected, run_ranks
@@ -26,6 +26,8 @@ from tests.helpers.ranks import died_at, expected, run_ranks
 pytest.importorskip("torch")
 pytest.importorskip("safetensors")
 pytest.importorskip("torch.distributed")
+
+pytestmark = [pytest.mark.distributed, pytest.mark.crash, pytest.mark.slow]
 
 # The ranks run at the default LOADERPLUG_DISTRIBUTED_TIMEOUT_S (600 s); one that hangs
 # for a tenth of it fails the test.
@@ -98,9 +100,7 @@ def test_a_killed_rank_is_named_by_the_others_at_once_from_local_disk(
     rerun_completes(tmp_path, files, 6 - world, local)
 
 
-@pytest.mark.skipif(
-    fuse_unavailable_reason() is not None, reason=f"FUSE: {fuse_unavailable_reason()}"
-)
+@pytest.mark.fuse
 @pytest.mark.parametrize("world", [2, 4])
 def test_a_killed_rank_is_named_by_the_others_at_once_from_the_mirror(
     tmp_path: Path, world: int

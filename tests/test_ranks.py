@@ -10,7 +10,7 @@ import pytest
 
 from loaderplug.ranks import owners
 from loaderplug.testing.model import write_model
-from loaderplug.testing.volume import VolumeProfile, fuse_unavailable_reason, mounted
+from loaderplug.testing.volume import VolumeProfile, mounted
 from loaderplug.units import MiB
 from tests.conftest import leftover_temps
 from tests.helpers.ranks import expected, run_ranks
@@ -19,9 +19,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("safetensors")
 pytest.importorskip("torch.distributed")
 
-needs_fuse = pytest.mark.skipif(
-    fuse_unavailable_reason() is not None, reason=f"FUSE: {fuse_unavailable_reason()}"
-)
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 
 @pytest.fixture
@@ -81,7 +79,7 @@ def test_a_one_pass_shared_by_ranks_leaves_one_identical_local_copy(
     assert all(set(out["reads"]) <= {f.name for f in model8} for out in outs)
 
 
-@needs_fuse
+@pytest.mark.fuse
 def test_a_one_pass_from_the_mirror_reads_the_volume_once_across_ranks(tmp_path: Path) -> None:
     backing = tmp_path / "backing"
     write_model(backing, 8 * MiB, shards=4)

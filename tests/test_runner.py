@@ -17,7 +17,7 @@ import pytest
 from loaderplug import hookimpl, hydrate
 from loaderplug.source import PosixSource
 from loaderplug.testing.model import write_model
-from loaderplug.testing.volume import VolumeProfile, fuse_unavailable_reason, mounted
+from loaderplug.testing.volume import VolumeProfile, mounted
 from loaderplug.types import IOPolicy
 from loaderplug.units import MiB
 from tests.conftest import FAST, leftover_temps
@@ -27,9 +27,6 @@ pytest.importorskip("torch")
 pytest.importorskip("safetensors")
 
 REPO = Path(__file__).resolve().parent.parent
-needs_fuse = pytest.mark.skipif(
-    fuse_unavailable_reason() is not None, reason=f"FUSE: {fuse_unavailable_reason()}"
-)
 
 
 def start_one_pass(mirror: Path, local: Path, delay_s: float) -> subprocess.Popen[str]:
@@ -47,6 +44,7 @@ def shards_of(folder: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(folder.glob("*.safetensors"))}
 
 
+@pytest.mark.slow
 def test_two_one_passes_into_one_local_dir_write_each_file_once(
     model: Path, tmp_path: Path
 ) -> None:
@@ -76,6 +74,7 @@ def wait_for_temps(local: Path, proc: subprocess.Popen[str], timeout_s: float = 
     raise AssertionError("the one pass never started copying")
 
 
+@pytest.mark.slow
 def test_a_one_pass_killed_again_and_again_leaves_no_temp_file_once_it_completes(
     model: Path, tmp_path: Path
 ) -> None:
@@ -98,7 +97,7 @@ def test_a_one_pass_killed_again_and_again_leaves_no_temp_file_once_it_completes
     assert leftover_temps(local) == []
 
 
-@needs_fuse
+@pytest.mark.fuse
 def test_a_one_pass_over_a_current_local_copy_reads_nothing_from_the_mirror(
     tmp_path: Path,
 ) -> None:

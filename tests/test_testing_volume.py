@@ -23,11 +23,6 @@ from loaderplug.testing.volume import (
 )
 from loaderplug.units import MiB
 
-needs_fuse = pytest.mark.skipif(
-    fuse_unavailable_reason() is not None,
-    reason=str(fuse_unavailable_reason()),
-)
-
 
 def _mount_types(mountpoint: Path) -> list[str]:
     target = os.path.realpath(mountpoint)
@@ -91,15 +86,23 @@ def test_profile_json_roundtrip() -> None:
         VolumeProfile(stale_handles=2.0)
 
 
-def test_unavailable_reason_is_str_or_none() -> None:
-    reason = fuse_unavailable_reason()
-    assert reason is None or (isinstance(reason, str) and reason)
+def test_why_fuse_is_unavailable_is_said(monkeypatch: pytest.MonkeyPatch) -> None:
+    from loaderplug.testing import volume
+
+    probe = fuse_unavailable_reason.__wrapped__
+    monkeypatch.setattr(volume.os.path, "exists", lambda path: path != "/dev/fuse")
+    assert "/dev/fuse does not exist" in str(probe())
+    monkeypatch.undo()
+    monkeypatch.setattr(volume.os, "access", lambda path, mode: True)
+    monkeypatch.setattr(volume.os.path, "exists", lambda path: True)
+    monkeypatch.setattr(volume.shutil, "which", lambda name: None)
+    assert "fusermount3 is not on PATH" in str(probe())
 
 
 # -- FUSE -------------------------------------------------------------------
 
 
-@needs_fuse
+@pytest.mark.fuse
 def test_passthrough_reads_writes_and_fstype(dirs: tuple[Path, Path]) -> None:
     backing, mnt = dirs
     data = _write_random(backing / "sub" / "model-0001.safetensors", 3 * MiB + 12345)
@@ -127,7 +130,7 @@ def test_passthrough_reads_writes_and_fstype(dirs: tuple[Path, Path]) -> None:
     assert _mount_types(mnt) == []
 
 
-@needs_fuse
+@pytest.mark.fuse
 def test_unmounts_on_error_and_with_open_files(dirs: tuple[Path, Path]) -> None:
     backing, mnt = dirs
     _write_random(backing / "f.bin", 4096)
@@ -175,7 +178,7 @@ def _timed_reads(path: Path, ranges: list[tuple[int, int]], chunk: int = MiB) ->
     return time.monotonic() - t0, total[0]
 
 
-@needs_fuse
+@pytest.mark.fuse
 def test_per_stream_cap_and_parallel_scaling(dirs: tuple[Path, Path]) -> None:
     backing, mnt = dirs
     size = 8 * MiB
@@ -201,7 +204,7 @@ def test_per_stream_cap_and_parallel_scaling(dirs: tuple[Path, Path]) -> None:
     assert stats["max_inflight_reads"] > 1
 
 
-@needs_fuse
+@pytest.mark.fuse
 @pytest.mark.parametrize("err", [errno.EIO, errno.ENOMEM, errno.EAGAIN, errno.EACCES])
 def test_fault_limit_injects_exactly_n(dirs: tuple[Path, Path], err: int) -> None:
     backing, mnt = dirs
@@ -227,7 +230,7 @@ def test_fault_limit_injects_exactly_n(dirs: tuple[Path, Path], err: int) -> Non
     assert stats["faults_injected"] == 3
 
 
-@needs_fuse
+@pytest.mark.fuse
 def test_fault_after_bytes_gives_short_read(dirs: tuple[Path, Path]) -> None:
     backing, mnt = dirs
     data = _write_random(backing / "f.bin", 2 * MiB)
@@ -248,7 +251,7 @@ def test_fault_after_bytes_gives_short_read(dirs: tuple[Path, Path]) -> None:
             os.close(fd)
 
 
-@needs_fuse
+@pytest.mark.fuse
 def test_max_inflight_fault_only_under_concurrency(dirs: tuple[Path, Path]) -> None:
     backing, mnt = dirs
     _write_random(backing / "f.bin", MiB)
@@ -289,7 +292,7 @@ def test_max_inflight_fault_only_under_concurrency(dirs: tuple[Path, Path]) -> N
     assert stats["max_inflight_reads"] > 2
 
 
-@needs_fuse
+@pytest.mark.fuse
 def test_replace_mid_read(dirs: tuple[Path, Path], tmp_path: Path) -> None:
     backing, mnt = dirs
     old = _write_random(backing / "m.bin", MiB)
@@ -321,7 +324,7 @@ def test_replace_mid_read(dirs: tuple[Path, Path], tmp_path: Path) -> None:
 # -- the habits of real network filesystems -----------------------------------
 
 
-@needs_fuse
+@pytest.mark.fuse
 def test_node_ids_change_when_the_kernel_forgets_an_inode(dirs: tuple[Path, Path]) -> None:
     from loaderplug.testing.eviction import evicting, eviction_unavailable_reason
 
@@ -341,7 +344,7 @@ def test_node_ids_change_when_the_kernel_forgets_an_inode(dirs: tuple[Path, Path
         assert os.stat(mnt / "f.bin").st_ino != os.stat(mnt / "f.bin").st_ino
 
 
-@needs_fuse
+@pytest.mark.fuse
 def test_whole_second_mtimes(dirs: tuple[Path, Path]) -> None:
     backing, mnt = dirs
     _write_random(backing / "f.bin", 100)
@@ -350,7 +353,7 @@ def test_whole_second_mtimes(dirs: tuple[Path, Path]) -> None:
         assert os.stat(mnt / "f.bin").st_mtime_ns == 1_700_000_000_000_000_000
 
 
-@needs_fuse
+@pytest.mark.fuse
 def test_a_stale_handle_stays_stale_and_a_new_open_reads(dirs: tuple[Path, Path]) -> None:
     backing, mnt = dirs
     data = _write_random(backing / "f.bin", 64 * 1024)
@@ -380,7 +383,7 @@ def test_a_stale_handle_stays_stale_and_a_new_open_reads(dirs: tuple[Path, Path]
         assert got == data and opens > 1
 
 
-@needs_fuse
+@pytest.mark.fuse
 def test_a_handle_to_a_replaced_file_is_stale_where_handles_go_stale(
     dirs: tuple[Path, Path], tmp_path: Path
 ) -> None:
@@ -401,7 +404,7 @@ def test_a_handle_to_a_replaced_file_is_stale_where_handles_go_stale(
         assert (mnt / "m.bin").read_bytes() == new
 
 
-@needs_fuse
+@pytest.mark.fuse
 def test_attributes_lag_a_replacement_until_an_open(dirs: tuple[Path, Path]) -> None:
     backing, mnt = dirs
     _write_random(backing / "f.bin", 1000)

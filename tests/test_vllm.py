@@ -16,14 +16,14 @@ from typing import Any
 
 import pytest
 
-from loaderplug.testing.volume import TestVolume, VolumeProfile, fuse_unavailable_reason, mounted
+from loaderplug.testing.volume import TestVolume, VolumeProfile, mounted
 from loaderplug.units import MiB
 
 pytestmark = [
     pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed"),
-    pytest.mark.skipif(
-        fuse_unavailable_reason() is not None, reason=f"FUSE: {fuse_unavailable_reason()}"
-    ),
+    pytest.mark.fuse,
+    pytest.mark.vllm,
+    pytest.mark.slow,
 ]
 REPO = Path(__file__).resolve().parent.parent
 

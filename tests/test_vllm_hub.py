@@ -16,9 +16,11 @@ import pytest
 
 from tests.hubserver import HubServer, client_env, share_blobs
 
-pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec("vllm") is None, reason="vLLM is not installed"
-)
+pytestmark = [
+    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed"),
+    pytest.mark.vllm,
+    pytest.mark.slow,
+]
 REPO_ROOT = Path(__file__).resolve().parent.parent
 REPO = "acme/tiny-llama"
 FOLDER = "models--acme--tiny-llama"

@@ -13,16 +13,13 @@ from loaderplug.integrations import volcache
 
 from loaderplug.errors import SettingsError
 from loaderplug.settings import from_env
-from loaderplug.testing.volume import TestVolume, VolumeProfile, fuse_unavailable_reason, mounted
+from loaderplug.testing.volume import TestVolume, VolumeProfile, mounted
 from loaderplug.units import MiB
 from tests.helpers.tensors import reference, same, write_shards
 from tests.hubserver import HubServer
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("safetensors")
-needs_fuse = pytest.mark.skipif(
-    fuse_unavailable_reason() is not None, reason=f"FUSE: {fuse_unavailable_reason()}"
-)
 REPO = Path(__file__).resolve().parent.parent
 QUIET = {"fsync": False, "progress": False}
 
@@ -139,7 +136,7 @@ def fuse_mirror(tmp_path: Path) -> Iterator[tuple[TestVolume, list[Path]]]:
         yield vol, shards
 
 
-@needs_fuse
+@pytest.mark.fuse
 def test_a_folder_on_a_fuse_mount_is_a_mirror(
     fuse_mirror: tuple[TestVolume, list[Path]], tmp_path: Path
 ) -> None:
@@ -161,7 +158,8 @@ print(json.dumps(sums))
 """
 
 
-@needs_fuse
+@pytest.mark.slow
+@pytest.mark.fuse
 def test_ranks_loading_at_once_read_the_mirror_once(
     fuse_mirror: tuple[TestVolume, list[Path]], tmp_path: Path
 ) -> None:

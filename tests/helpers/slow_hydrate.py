@@ -8,6 +8,7 @@ third-party backend would use.
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import time
 
@@ -33,6 +34,9 @@ class SlowPlugin:
         return SlowSource(path, policy)
 
 
+# As in a terminal: Ctrl-C interrupts. A test run started in the background by a shell
+# (`pytest ... &`) ignores SIGINT, and its children inherit that.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 DELAY_S = float(sys.argv[1])
 READ_LOG = os.environ.get("SLOW_HYDRATE_READ_LOG", "")
 plugins.register(SlowPlugin())
