@@ -2,7 +2,7 @@
 
 Each :class:`Settings` field is declared with :func:`_setting`: its kind, default,
 bounds and help text sit beside the field, and the registry (:data:`REGISTRY`), the
-README's settings table and ``doctor`` are derived from those declarations, so a
+settings table in docs/settings.md and ``doctor`` are derived from those declarations, so a
 default is never written twice.
 
 Rules every variable follows:
@@ -59,7 +59,7 @@ class Variable:
 
     @property
     def expected(self) -> str:
-        """The accepted form and range, as printed in errors and the README."""
+        """The accepted form and range, as printed in errors and the settings table."""
         if self.kind == "int":
             return f"an integer from {self.minimum} to {self.maximum}"
         if self.kind == "workers":
@@ -78,7 +78,7 @@ class Variable:
 
     @property
     def shown_default(self) -> str:
-        """The default as the README's table shows it."""
+        """The default as the settings table shows it."""
         if self.default is None:
             return "unset"
         if self.kind == "size":
@@ -420,7 +420,7 @@ def from_env(environ: Mapping[str, str] | None = None, **overrides: Any) -> Sett
 
 
 def settings_table() -> str:
-    """The README's settings table, generated from the registry."""
+    """The settings table of docs/settings.md, generated from the registry."""
     rows = [
         "| Variable | Default | Accepts | What it does |",
         "|---|---|---|---|",

@@ -1,4 +1,4 @@
-"""Regenerate the README's settings table from the registry in loaderplug/settings.py."""
+"""Regenerate docs/settings.md's table from the registry in loaderplug/settings.py."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ from pathlib import Path
 
 from loaderplug.settings import settings_table
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+PAGE = Path(__file__).resolve().parent.parent / "docs" / "settings.md"
 
-text = README.read_text()
+text = PAGE.read_text()
 start, end = "<!-- settings-table:start -->\n", "\n<!-- settings-table:end -->"
 updated = re.sub(
     re.escape(start) + ".*?" + re.escape(end),
@@ -17,5 +17,5 @@ updated = re.sub(
     text,
     flags=re.S,
 )
-README.write_text(updated)
-print("README settings table", "updated" if updated != text else "already current")
+PAGE.write_text(updated)
+print("docs/settings.md table", "updated" if updated != text else "already current")
