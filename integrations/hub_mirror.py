@@ -43,6 +43,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from loaderplug.atomic import replace_with_link, write_atomically
 from loaderplug.digest import Expected
 from loaderplug.errors import MirrorError
 from loaderplug.report import TransferReport
@@ -169,16 +170,7 @@ def write_listing(
     path.parent.mkdir(parents=True, exist_ok=True)
     # Not a loaderplug temp name: a copy running under the folder's lock sweeps those.
     temp = path.with_name(f".{path.name}.{secrets.token_hex(6)}.listing")
-    try:
-        with open(temp, "w", encoding="utf-8") as f:
-            json.dump(data, f, indent=1)
-            if fsync:
-                f.flush()
-                os.fsync(f.fileno())
-        os.replace(temp, path)
-    except BaseException:
-        temp.unlink(missing_ok=True)
-        raise
+    write_atomically(path, json.dumps(data, indent=1), temp=temp, fsync=fsync)
     return True
 
 
@@ -365,7 +357,7 @@ def hydrate_local_dir(
     )
 
 
-def write_ref(folder: Path, revision: str, commit: str) -> None:
+def write_ref(folder: Path, revision: str, commit: str, *, fsync: bool) -> None:
     """Point ``refs/<revision>`` at ``commit``, atomically (a reader sees old or new)."""
     ref = folder / "refs" / revision
     if ref.is_file() and ref.read_text().strip() == commit:
@@ -373,8 +365,7 @@ def write_ref(folder: Path, revision: str, commit: str) -> None:
     ref.parent.mkdir(parents=True, exist_ok=True)
     # Not a loaderplug temp name: a copy running under the folder's lock sweeps those.
     temp = ref.with_name(f".{ref.name}.{secrets.token_hex(6)}.ref")
-    temp.write_text(commit)
-    os.replace(temp, ref)
+    write_atomically(ref, commit, temp=temp, fsync=fsync)
 
 
 def link_snapshot(folder: Path, commit: str, files: Iterable[RepoFile]) -> int:
@@ -389,8 +380,7 @@ def link_snapshot(folder: Path, commit: str, files: Iterable[RepoFile]) -> int:
             continue
         link.parent.mkdir(parents=True, exist_ok=True)
         temp = link.with_name(f".{link.name}.{secrets.token_hex(6)}.link")
-        os.symlink(link_target(f.path, f.blob), temp)
-        os.replace(temp, link)
+        replace_with_link(link, link_target(f.path, f.blob), temp=temp)
         made += 1
     return made
 
@@ -434,5 +424,5 @@ def sync_snapshot(
     expect = expectations({f"blobs/{f.blob}": f for f in entries})
     report = select("sync", source, mirror, files, links, settings, expect=expect)
     if report.ok and not COMMIT.match(revision):
-        write_ref(mirror, revision, commit)
+        write_ref(mirror, revision, commit, fsync=settings.fsync)
     return report

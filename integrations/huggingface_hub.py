@@ -232,7 +232,7 @@ def _download(call: _Call) -> Any:
         return served
     result = call.run_original(commit)
     if commit is not None:
-        _keep_local_ref(options, commit)
+        _keep_local_ref(options, commit, fsync=settings.fsync)
     if settings.sync and not _offline(options):
         try:
             _to_mirror(mirror, call, commit, settings)
@@ -300,7 +300,7 @@ def _chooser(call: _Call) -> Callable[[Iterable[str]], list[str]]:
     return choose
 
 
-def _keep_local_ref(options: dict[str, Any], commit: str) -> None:
+def _keep_local_ref(options: dict[str, Any], commit: str, *, fsync: bool) -> None:
     """Point the local cache's ``refs/<branch>`` at the commit a download was pinned to
     (the original writes no ref for a pinned revision), so huggingface_hub's own lookups
     by branch find it offline."""
@@ -309,7 +309,7 @@ def _keep_local_ref(options: dict[str, Any], commit: str) -> None:
         return
     folder = _cache_folder(options)
     if (folder / "snapshots" / commit).is_dir():
-        hub_mirror.write_ref(folder, ref, commit)
+        hub_mirror.write_ref(folder, ref, commit, fsync=fsync)
 
 
 # -- mirror -> local -----------------------------------------------------------------
@@ -428,7 +428,7 @@ def _from_mirror(mirror: Path, call: _Call, commit: str, settings: Settings) -> 
     else:
         where = target / "snapshots" / commit
         where.mkdir(parents=True, exist_ok=True)  # a selection of nothing: an empty one
-        _keep_local_ref(options, commit)
+        _keep_local_ref(options, commit, fsync=settings.fsync)
     return str(where / call.file) if call.file is not None else str(where)
 
 

@@ -11,13 +11,13 @@ and an incomplete file is reported as failed.
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from loaderplug.atomic import write_atomically
 from loaderplug.errors import MirrorError
-from loaderplug.sinks import fsync_dir, temp_name_for
+from loaderplug.sinks import temp_name_for
 from loaderplug.tree import MANIFEST_NAME, path_problem, symlink_problem
 
 VERSION = 1
@@ -87,11 +87,6 @@ def write(
         "incomplete": dict(sorted(incomplete.items())),
     }
     path = root / MANIFEST_NAME
-    temp = temp_name_for(path)  # swept like any other temp file if this process dies
-    with open(temp, "w", encoding="utf-8") as f:
-        json.dump(payload, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(temp, path)
-    fsync_dir(root)
+    # Under a loaderplug temp name: swept like any other if this process dies.
+    write_atomically(path, json.dumps(payload, indent=1), temp=temp_name_for(path), fsync=True)
     return path

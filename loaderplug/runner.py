@@ -35,6 +35,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from loaderplug.atomic import replace_with_link
 from loaderplug.concurrency import AdaptiveLimit, ConcurrencyLimit, FixedLimit
 from loaderplug.digest import DigestSink, ReorderWindow
 from loaderplug.engine import Engine, EngineStats, FileTask
@@ -487,13 +488,7 @@ class Runner:
             if os.path.islink(dst) and os.readlink(dst) == target:
                 return FileResult(rel, "skipped")
             dst.parent.mkdir(parents=True, exist_ok=True)
-            temp = temp_name_for(dst)
-            os.symlink(target, temp)
-            try:
-                os.replace(temp, dst)
-            except BaseException:
-                os.unlink(temp)
-                raise
+            replace_with_link(dst, target, temp=temp_name_for(dst))
         except OSError as exc:
             return FileResult(
                 rel, "failed", reason=f"cannot create symlink: {exc}", errno=exc.errno

@@ -23,6 +23,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
+from loaderplug.atomic import fsync_dir
 from loaderplug.errors import HydrateError
 from loaderplug.fs import is_network_type
 from loaderplug.partial import Journal, Landed, is_partial_name, journal_for, partial_for
@@ -103,17 +104,6 @@ def is_current_copy(dst: Path, identity: Identity) -> bool:
         and st.st_size == identity.size
         and same_mtime(identity.mtime_ns, st.st_mtime_ns)
     )
-
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    except OSError as exc:  # some FUSE servers do not implement fsyncdir
-        if exc.errno not in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP):
-            raise
-    finally:
-        os.close(fd)
 
 
 def file_sink(
