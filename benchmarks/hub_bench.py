@@ -1,7 +1,7 @@
 """Hugging Face hub: a second worker served from the volume mirror against the Hub itself.
 
 A ~1 GiB Llama repo (4 safetensors shards, config, tokenizer, the index) on the local Hub
-server (``tests/hubserver.py``, plain HTTP on loopback), its weight files announced as
+server (``loaderplug/testing/hub.py``, plain HTTP on loopback), its weight files announced as
 Xet-backed as on the Hub. Before timing, loaderplug's ``snapshot_download`` runs once
 with the volume's backing folder as ``LOADERPLUG_VOLUME``: it downloads the repo and
 copies it to the mirror (``hub/models--org--name/``), which is then laid out as
@@ -206,9 +206,9 @@ def bench(args: argparse.Namespace) -> None:
     from common import run_timed
     from hydrate_bench import PROFILE, ram_dir
 
+    from loaderplug.testing.hub import HubServer, client_env, share_blobs
+    from loaderplug.testing.tiny_llama import write_tiny_llama
     from loaderplug.testing.volume import fuse_unavailable_reason, mounted
-    from tests.helpers.tiny_llama import write_tiny_llama
-    from tests.hubserver import HubServer, client_env, share_blobs
 
     reason = fuse_unavailable_reason()
     if not Path("/usr/bin/time").exists():
@@ -322,7 +322,7 @@ def bench(args: argparse.Namespace) -> None:
     header = (
         f"# Hugging Face hub benchmark\n\n{total / MiB:.0f} MiB Llama repo (4 safetensors "
         f"shards, config, tokenizer, index; weights announced as Xet-backed) on the local Hub "
-        f"server (tests/hubserver.py, plain HTTP on "
+        f"server (loaderplug/testing/hub.py, plain HTTP on "
         f"loopback); mirror (filled once beforehand by loaderplug's snapshot_download, "
         f"layout: {args.layout}) on "
         f"the FUSE test volume over a memory-backed folder, 40 MiB/s per stream, 320 MiB/s "

@@ -2,7 +2,7 @@
 
 A random fp32 Llama of about 1 GiB (4 safetensors shards with an index, hidden 1024,
 16 heads of 64, intermediate 4096, 16 layers; offline word-level tokenizer, as
-tests/helpers/tiny_llama.py writes it) on the FUSE test volume set like an object-store
+loaderplug/testing/tiny_llama.py writes it) on the FUSE test volume set like an object-store
 mount (as in hydrate_bench.py: 40 MiB/s per open file, 320 MiB/s for the mount, 2 ms per
 request, backing folder in memory). Each contender builds ``vllm.LLM`` (the CPU build,
 with the recipe of tests/helpers/vllm_runner.py) in its own process, alternating round
@@ -151,7 +151,7 @@ def write_model(folder: Path, layers: int) -> int:
     """The random Llama (4 shards); its weight bytes."""
     if str(REPO) not in sys.path:
         sys.path.insert(0, str(REPO))
-    from tests.helpers.tiny_llama import write_tiny_llama
+    from loaderplug.testing.tiny_llama import write_tiny_llama
 
     shards = write_tiny_llama(
         folder, shards=4, hidden_size=HIDDEN, num_layers=layers, intermediate_size=INTERMEDIATE
@@ -231,7 +231,7 @@ HUB_STOCK = "stock snapshot_download + safetensors"
 def hub_section(work: Path, backing: Path, rounds: int) -> tuple[str, dict[str, Any]]:
     """vLLM with a repo id: volcache's first and second worker against vLLM's default
     loader after a stock download; weights time, Hub file requests."""
-    from tests.hubserver import HubServer, client_env
+    from loaderplug.testing.hub import HubServer, client_env
 
     results: dict[str, list[dict[str, Any]]] = {HUB_FIRST: [], HUB_SECOND: [], HUB_STOCK: []}
     with HubServer() as server:

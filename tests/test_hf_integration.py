@@ -1,5 +1,5 @@
 """snapshot_download through loaderplug, with the real huggingface_hub client against a
-local Hub (tests/hubserver.py) and a folder as the volume mirror."""
+local Hub (loaderplug/testing/hub.py) and a folder as the volume mirror."""
 
 from __future__ import annotations
 
@@ -23,8 +23,8 @@ from huggingface_hub.errors import LocalEntryNotFoundError
 from loaderplug.integrations import huggingface_hub as lp_hub
 
 from loaderplug import hookimpl
+from loaderplug.testing.hub import HubServer
 from loaderplug.types import MirrorRequest
-from tests.hubserver import HubServer
 
 REPO = "acme/tiny"
 FOLDER = "models--acme--tiny"

@@ -27,8 +27,8 @@ from huggingface_hub import constants
 from loaderplug.integrations import hub_commits
 from loaderplug.integrations import huggingface_hub as lp_hub
 
-from tests.helpers.tiny_llama import write_tiny_llama
-from tests.hubserver import HubServer, share_blobs
+from loaderplug.testing.hub import HubServer, share_blobs
+from loaderplug.testing.tiny_llama import write_tiny_llama
 
 REPO = "acme/llama"
 FOLDER = "models--acme--llama"

@@ -20,7 +20,7 @@ from huggingface_hub.errors import (
     RevisionNotFoundError,
 )
 
-from tests.hubserver import HubServer, git_blob_sha1
+from loaderplug.testing.hub import HubServer, git_blob_sha1
 from tests.hubserver import hub as hub  # the fixture (`as hub`: no ruff F401/F811)
 
 REPO = "org/name"

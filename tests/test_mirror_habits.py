@@ -20,6 +20,7 @@ import pytest
 from loaderplug import hydrate, sync
 from loaderplug.errors import TransferFailed
 from loaderplug.testing.eviction import evicting, eviction_unavailable_reason
+from loaderplug.testing.hub import HubServer
 from loaderplug.testing.model import write_model
 from loaderplug.testing.volume import (
     Replace,
@@ -28,7 +29,6 @@ from loaderplug.testing.volume import (
 )
 from loaderplug.units import MiB
 from tests.conftest import FAST, leftover_temps, tree_bytes
-from tests.hubserver import HubServer
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("safetensors")

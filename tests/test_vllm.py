@@ -38,7 +38,7 @@ class Mirror:
 
 @pytest.fixture(scope="module")
 def mirror(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mirror]:
-    from tests.helpers.tiny_llama import write_tiny_llama
+    from loaderplug.testing.tiny_llama import write_tiny_llama
 
     root = tmp_path_factory.mktemp("vllm")
     write_tiny_llama(root / "backing" / "tiny-llama", shards=3)
@@ -241,7 +241,7 @@ def test_a_worker_killed_during_a_tensor_parallel_load_ends_the_start_in_seconds
     import sys
     import threading
 
-    from tests.helpers.tiny_llama import write_tiny_llama
+    from loaderplug.testing.tiny_llama import write_tiny_llama
     from tests.helpers.vllm_runner import RESULT_PREFIX
 
     write_tiny_llama(

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from tests.hubserver import HubServer, client_env, share_blobs
+from loaderplug.testing.hub import HubServer, client_env, share_blobs
 
 pytestmark = [
     pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed"),
@@ -28,7 +28,7 @@ FOLDER = "models--acme--tiny-llama"
 
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from tests.helpers.tiny_llama import write_tiny_llama
+    from loaderplug.testing.tiny_llama import write_tiny_llama
 
     folder = tmp_path_factory.mktemp("original") / "tiny-llama"
     write_tiny_llama(folder, shards=3)

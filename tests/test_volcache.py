@@ -13,10 +13,10 @@ from loaderplug.integrations import volcache
 
 from loaderplug.errors import SettingsError
 from loaderplug.settings import from_env
+from loaderplug.testing.hub import HubServer
 from loaderplug.testing.volume import TestVolume, VolumeProfile, mounted
 from loaderplug.units import MiB
 from tests.helpers.tensors import reference, same, write_shards
-from tests.hubserver import HubServer
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("safetensors")

@@ -4,7 +4,9 @@
 * `loaderplug.testing.faults`: the `VolumeProfile` and its fault model;
 * `loaderplug.testing.fuse_server`: the FUSE server, run as its own process;
 * `loaderplug.testing.model`: synthetic model files;
-* `loaderplug.testing.eviction`: the kernel dropping its dentry and inode caches.
+* `loaderplug.testing.eviction`: the kernel dropping its dentry and inode caches;
+* `loaderplug.testing.hub`: a local stand-in for the Hugging Face Hub;
+* `loaderplug.testing.tiny_llama`: a tiny Llama (weights, tokenizer, config) for vLLM and transformers.
 
 Nothing is imported here: ``python -m loaderplug.testing.fuse_server`` runs this
 package's ``__init__`` first, and the server should load no more than it needs.

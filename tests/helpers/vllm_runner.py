@@ -285,7 +285,7 @@ def main() -> None:
         logging.getLogger("vllm").setLevel(logging.INFO)
         print(RESULT_PREFIX + json.dumps(run_cases(json.loads(args.cases))))
         return
-    from tests.helpers.tiny_llama import write_tiny_llama
+    from loaderplug.testing.tiny_llama import write_tiny_llama
 
     # With VLLM_CONFIGURE_LOGGING=0 vLLM's records reach the root logger (as in caplog).
     console = logging.StreamHandler()

@@ -207,7 +207,7 @@ def _weights(config: Any, seed: int) -> dict[str, Any]:
     from transformers import LlamaForCausalLM
 
     with torch.device("meta"):
-        shapes = {name: p.shape for name, p in LlamaForCausalLM(config).state_dict().items()}
+        shapes = {name: p.shape for name, p in LlamaForCausalLM(config).state_dict().items()}  # type: ignore[no-untyped-call]
     generator = torch.Generator().manual_seed(seed)
     weights = {}
     for name in sorted(shapes):
@@ -231,7 +231,7 @@ def _tokenizer(vocab: dict[str, int]) -> Any:
     core.post_processor = processors.TemplateProcessing(
         single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", BOS_ID)]
     )
-    return PreTrainedTokenizerFast(
+    return PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
         tokenizer_object=core,
         bos_token="<s>",
         eos_token="</s>",
@@ -312,7 +312,7 @@ def write_tiny_llama(
         (folder / "model.safetensors.index.json").write_text(json.dumps(index_doc, indent=2))
 
     config.save_pretrained(str(folder))
-    GenerationConfig(
+    GenerationConfig(  # type: ignore[no-untyped-call]
         bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID, do_sample=False
     ).save_pretrained(str(folder))
     _tokenizer(vocab).save_pretrained(str(folder))
