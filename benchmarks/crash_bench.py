@@ -2,7 +2,7 @@
 
 1. kill -9 at random points of ``loaderplug hydrate``, ``sync`` (a first one, and one
    over an older version) and the one pass (``load --to``), twenty trials each
-   (tests/helpers/crash.py, which the suite runs a few times): what the kill left is
+   (loaderplug/testing/crash.py, which the suite runs a few times): what the kill left is
    checked (every published file whole and of one generation), then the rerun
    (it must complete and leave nothing behind).
 2. Resuming: a 1 GiB file hydrated from the FUSE test volume (40 MiB/s per stream,
@@ -43,12 +43,12 @@ from common import write_results
 
 from loaderplug import sync
 from loaderplug.partial import journal_for, read_landed
+from loaderplug.testing.crash import files_of, kill_trial, soak
 from loaderplug.testing.eviction import evicting, eviction_unavailable_reason
 from loaderplug.testing.model import write_model
 from loaderplug.testing.volume import VolumeProfile, mounted
 from loaderplug.types import Identity
 from loaderplug.units import GiB, MiB, format_size
-from tests.helpers.crash import files_of, kill_trial, soak
 
 HERE = Path(__file__).resolve().parent
 

@@ -5,7 +5,7 @@ A random fp32 Llama of about 1 GiB (4 safetensors shards with an index, hidden 1
 loaderplug/testing/tiny_llama.py writes it) on the FUSE test volume set like an object-store
 mount (as in hydrate_bench.py: 40 MiB/s per open file, 320 MiB/s for the mount, 2 ms per
 request, backing folder in memory). Each contender builds ``vllm.LLM`` (the CPU build,
-with the recipe of tests/helpers/vllm_runner.py) in its own process, alternating round
+with the recipe of loaderplug/testing/vllm_runner.py) in its own process, alternating round
 by round, and generates greedily once:
 
 * volcache             ``--load-format volcache``, model = the folder on the mount,
@@ -75,13 +75,13 @@ KV_CACHE_BYTES = 64 * MiB
 
 
 def child(spec: dict[str, Any]) -> None:
-    """Build ``LLM`` once with the recipe of tests/helpers/vllm_runner.py; print figures."""
+    """Build ``LLM`` once with the recipe of loaderplug/testing/vllm_runner.py; print figures."""
     if str(REPO) not in sys.path:
         sys.path.insert(0, str(REPO))
     import gc
     import logging
 
-    from tests.helpers.vllm_runner import LLM_KWARGS, MAX_TOKENS, PROMPT, VLLM_ENV
+    from loaderplug.testing.vllm_runner import LLM_KWARGS, MAX_TOKENS, PROMPT, VLLM_ENV
 
     for name, value in VLLM_ENV.items():  # the Hub section's HF_HUB_OFFLINE=0 wins
         os.environ.setdefault(name, value)
@@ -400,7 +400,7 @@ def main() -> None:
         f"the mount, 2 ms per request, backing folder in memory; the volume's floor for "
         f"this model is {floor:.1f} s), mounted afresh for every run. vLLM {_vllm_version()} "
         f"CPU build, {os.cpu_count()} cores, each `LLM()` in its own process with the recipe "
-        f"of tests/helpers/vllm_runner.py; {args.rounds} round(s), alternating; median "
+        f"of loaderplug/testing/vllm_runner.py; {args.rounds} round(s), alternating; median "
         f'(min-max when more than one round). Weights s is vLLM\'s "Loading weights took" '
         f"(† vLLM logs none for runai_streamer: the bench times its loader's "
         f"`load_weights`); LLM() s is the wall time of `LLM()`; total = copy + weights "

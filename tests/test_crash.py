@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 
 from loaderplug import sync
+from loaderplug.testing.crash import files_of, kill_trial, soak
 from loaderplug.testing.model import write_model
 from loaderplug.units import MiB
 from tests.conftest import FAST
-from tests.helpers.crash import files_of, kill_trial, soak
 
 pytestmark = [pytest.mark.crash, pytest.mark.slow]
 

@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 
 from loaderplug.partial import Landed, journal_for, read_landed
+from loaderplug.testing import slowed
 from loaderplug.testing.model import write_model
 from loaderplug.types import Identity
 from loaderplug.units import MiB
 from tests.conftest import leftover_temps
-from tests.helpers import slowed
 
 REPO = Path(__file__).resolve().parent.parent
 CHUNK = 256 * 1024

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from loaderplug import hydrate
+from loaderplug.testing import slowed
 from tests.conftest import FAST, leftover_temps, tree_bytes
-from tests.helpers import slowed
 
 pytestmark = pytest.mark.crash
 

@@ -16,12 +16,12 @@ import pytest
 
 from loaderplug import hookimpl, hydrate
 from loaderplug.source import PosixSource
+from loaderplug.testing import slowed
 from loaderplug.testing.model import write_model
 from loaderplug.testing.volume import VolumeProfile, mounted
 from loaderplug.types import IOPolicy
 from loaderplug.units import MiB
 from tests.conftest import FAST, leftover_temps
-from tests.helpers import slowed
 
 pytest.importorskip("torch")
 pytest.importorskip("safetensors")

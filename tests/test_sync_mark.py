@@ -14,10 +14,10 @@ import pytest
 
 from loaderplug import MirrorError, hydrate, sync
 from loaderplug.sync_mark import MARK_NAME, SyncMark, read_mark, wait_for_sync
+from loaderplug.testing import slowed
 from loaderplug.testing.model import write_model
 from loaderplug.units import MiB
 from tests.conftest import FAST, leftover_temps, tree_bytes
-from tests.helpers import slowed
 
 REPO = Path(__file__).resolve().parent.parent
 QUICK_MARKS = {"sync_stale_s": 2, "sync_wait_s": 30}

@@ -1,6 +1,6 @@
 """vLLM on the CPU with ``--load-format volcache``, the tiny Llama on the FUSE test volume.
 
-vLLM runs in subprocesses (tests/helpers/vllm_runner.py): starting it changes the
+vLLM runs in subprocesses (loaderplug/testing/vllm_runner.py): starting it changes the
 calling process (threads, seeds, environment), and each start imports it afresh.
 """
 
@@ -61,7 +61,7 @@ def vllm_env(mirror: Mirror, local_dir: Path) -> dict[str, str]:
 def run_cases(
     mirror: Mirror, local_dir: Path, cases: list[dict[str, Any]], **env: str
 ) -> list[dict[str, Any]]:
-    from tests.helpers.vllm_runner import cases_in_subprocess
+    from loaderplug.testing.vllm_runner import cases_in_subprocess
 
     return cases_in_subprocess(cases, {**vllm_env(mirror, local_dir), **env}, REPO)
 
@@ -242,7 +242,7 @@ def test_a_worker_killed_during_a_tensor_parallel_load_ends_the_start_in_seconds
     import threading
 
     from loaderplug.testing.tiny_llama import write_tiny_llama
-    from tests.helpers.vllm_runner import RESULT_PREFIX
+    from loaderplug.testing.vllm_runner import RESULT_PREFIX
 
     write_tiny_llama(
         tmp_path / "backing" / "llama", shards=3, hidden_size=256, num_layers=8,
@@ -257,7 +257,7 @@ def test_a_worker_killed_during_a_tensor_parallel_load_ends_the_start_in_seconds
             "VLLM_CPU_OMP_THREADS_BIND": "0|1",
         }
         runner = subprocess.Popen(
-            [sys.executable, "-m", "tests.helpers.vllm_runner", "--cases", json.dumps([case])],
+            [sys.executable, "-m", "loaderplug.testing.vllm_runner", "--cases", json.dumps([case])],
             cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         )  # fmt: skip
         lines: list[str] = []

@@ -2,7 +2,7 @@
 a repo id on a Hub (the test Hub), with a mirror that the first worker fills and the
 next ones, fresh hosts, load from with the Hub up, down or offline.
 
-vLLM runs in subprocesses (tests/helpers/vllm_runner.py); the Hub runs in this one.
+vLLM runs in subprocesses (loaderplug/testing/vllm_runner.py); the Hub runs in this one.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ def run_vllm(
     cases: list[dict[str, Any]], home: Path, hub: HubServer, volume: Path, **env: str
 ) -> list[dict[str, Any]]:
     """Each case's generation, from a fresh process whose HF_HOME is ``home``."""
-    from tests.helpers.vllm_runner import cases_in_subprocess
+    from loaderplug.testing.vllm_runner import cases_in_subprocess
 
     environment = {
         "PATH": os.environ.get("PATH", "/usr/bin:/bin"),

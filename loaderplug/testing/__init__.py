@@ -6,7 +6,9 @@
 * `loaderplug.testing.model`: synthetic model files;
 * `loaderplug.testing.eviction`: the kernel dropping its dentry and inode caches;
 * `loaderplug.testing.hub`: a local stand-in for the Hugging Face Hub;
-* `loaderplug.testing.tiny_llama`: a tiny Llama (weights, tokenizer, config) for vLLM and transformers.
+* `loaderplug.testing.tiny_llama`: a tiny Llama for vLLM and transformers;
+* `loaderplug.testing.vllm_runner`: vLLM on the CPU, its recipe and its cases;
+* `loaderplug.testing.crash`: kill trials and soaks; `slowed`: the CLI with slowed reads.
 
 Nothing is imported here: ``python -m loaderplug.testing.fuse_server`` runs this
 package's ``__init__`` first, and the server should load no more than it needs.

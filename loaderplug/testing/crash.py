@@ -24,10 +24,10 @@ from pathlib import Path
 from loaderplug import hookimpl, hydrate, plugins
 from loaderplug.sinks import is_temp_name
 from loaderplug.source import PosixSource
-from loaderplug.sync_mark import MARK_NAME
+from loaderplug.testing import slowed
+from loaderplug.tree import SYNC_MARK_NAME as MARK_NAME
 from loaderplug.tree import is_own_name
 from loaderplug.types import IOPolicy
-from tests.helpers import slowed
 
 ENV = {
     "LOADERPLUG_CHUNK_BYTES": "64K",

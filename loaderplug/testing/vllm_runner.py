@@ -5,8 +5,8 @@ twice in one process (two load formats would be compared the same way), generate
 greedily with each, and prints the timings. ``--server`` also starts the OpenAI server
 as a subprocess and asks it for one completion.
 
-    python -m tests.helpers.vllm_runner [--server] [--load-format safetensors]
-    python -m tests.helpers.vllm_runner --cases '[{"model": DIR, "load_format": F}]'
+    python -m loaderplug.testing.vllm_runner [--server] [--load-format safetensors]
+    python -m loaderplug.testing.vllm_runner --cases '[{"model": DIR, "load_format": F}]'
 
 With ``--cases`` it builds ``LLM`` for each case in turn and prints the generations (or
 the error) as JSON on a line starting with ``RESULT``; tests/test_vllm.py drives it.
@@ -225,7 +225,7 @@ def cases_in_subprocess(
     case's result, with the process's output tail as ``log``. A failed process fails the
     calling test with that output."""
     done = subprocess.run(
-        [sys.executable, "-m", "tests.helpers.vllm_runner", "--cases", json.dumps(cases)],
+        [sys.executable, "-m", "loaderplug.testing.vllm_runner", "--cases", json.dumps(cases)],
         cwd=cwd,
         env=env,
         capture_output=True,
@@ -269,17 +269,15 @@ def main() -> None:
 
     for name, value in VLLM_ENV.items():  # a caller's own choice wins (HF_HUB_OFFLINE=0)
         os.environ.setdefault(name, value)
-    root = Path(__file__).resolve().parents[2]
-    if str(root) not in sys.path:
-        sys.path.insert(0, str(root))
     if os.environ.get("TEST_HUB_MAX_RETRIES"):
         # A test of a Hub that is down: huggingface_hub retries each refused request 5
         # times over some 23 s (vLLM lists a repo's files several times); keep fewer.
         from huggingface_hub.utils import _http
 
         for backoff in (_http._http_backoff_base, _http.http_backoff, _http.http_stream_backoff):
-            if "max_retries" in (backoff.__kwdefaults__ or {}):
-                backoff.__kwdefaults__["max_retries"] = int(os.environ["TEST_HUB_MAX_RETRIES"])
+            defaults = backoff.__kwdefaults__
+            if defaults is not None and "max_retries" in defaults:
+                defaults["max_retries"] = int(os.environ["TEST_HUB_MAX_RETRIES"])
     if args.cases:
         logging.basicConfig(level=logging.WARNING)
         logging.getLogger("vllm").setLevel(logging.INFO)
