@@ -38,7 +38,6 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the suite's crash trials
 from common import write_results
 
 from loaderplug import sync

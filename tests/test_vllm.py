@@ -114,7 +114,7 @@ def test_volcache_reading_through_fastsafetensors_generates_the_same(
 
 
 def test_the_openai_server_answers_with_volcache(mirror: Mirror, tmp_path: Path) -> None:
-    from tests.helpers import vllm_runner
+    from loaderplug.testing import vllm_runner
 
     env_before = dict(os.environ)
     os.environ.update(vllm_env(mirror, tmp_path / "local"))
