@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from loaderplug.errors import LoaderplugError
+from loaderplug.errors import WeightsError
 from loaderplug.local_copies import hydrate_copy, is_mirror, local_copy
 from loaderplug.plugins import Plugins
 from loaderplug.reader import iter_tensors
@@ -53,10 +53,6 @@ INDEX_NAME = "model.safetensors.index.json"
 WEIGHT_PATTERNS = ("*.safetensors", INDEX_NAME)
 _REPO_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
 log = logging.getLogger(__name__)
-
-
-class WeightsError(LoaderplugError):
-    """The model's weights cannot be found or chosen."""
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,8 @@ from loaderplug.errors import (
     PluginError,
     SettingsError,
     TransferFailed,
+    UpstreamChanged,
+    WeightsError,
 )
 from loaderplug.hookspecs import hookimpl
 from loaderplug.report import TransferReport
@@ -39,6 +41,8 @@ __all__ = [
     "SettingsError",
     "TransferFailed",
     "TransferReport",
+    "UpstreamChanged",
+    "WeightsError",
     "from_env",
     "hookimpl",
     "hydrate",

@@ -11,7 +11,9 @@ Every error loaderplug raises on purpose derives from :class:`LoaderplugError`::
     ├── MirrorError        a mirror or its manifest cannot be trusted
     ├── DestinationError   a destination cannot take the copy (a file, read-only)
     ├── LockError          the cross-process lock could not be taken in time
-    └── PluginError        a plugin could not be loaded or answered badly
+    ├── PluginError        a plugin could not be loaded or answered badly
+    ├── WeightsError       vLLM's volcache loader cannot find or choose the model's weights
+    └── UpstreamChanged    an integrated library lost a name loaderplug relies on
 
 ``OSError`` is translated once, at the IO boundary, keeping its errno and chaining the
 original with ``from``.
@@ -118,3 +120,25 @@ class TransferFailed(LoaderplugError):
         self.path = first.path
         self.range = first.range
         self.errno = first.errno
+
+
+class WeightsError(LoaderplugError):
+    """The model's weights cannot be found or chosen (vLLM's ``volcache`` loader)."""
+
+
+class UpstreamChanged(LoaderplugError):
+    """An upstream library no longer has a name loaderplug relies on (or has it with
+    another value): ``library``, its installed ``version``, the ``symbol`` (an
+    ``integrations.upstream.Symbol``: the name and what it was for)."""
+
+    def __init__(
+        self, message: str, library: str = "", version: str = "", symbol: object = None
+    ) -> None:
+        super().__init__(message)
+        self.library = library
+        self.version = version
+        self.symbol = symbol
+
+    def __reduce__(self) -> tuple[type[UpstreamChanged], tuple[str, str, str, object]]:
+        # Picklable with its fields, for errors that cross process boundaries.
+        return type(self), (str(self), self.library, self.version, self.symbol)

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
-from loaderplug.errors import LoaderplugError
+from loaderplug.errors import UpstreamChanged
 
 __all__ = ["Symbol", "Upstream", "UpstreamChanged", "version_tuple"]
 
@@ -51,23 +51,6 @@ class Symbol:
     @property
     def name(self) -> str:
         return f"{self.module}.{self.attr}" if self.attr else self.module
-
-
-class UpstreamChanged(LoaderplugError):
-    """An upstream no longer has a name loaderplug relies on (or has it with another
-    value): ``library``, its installed ``version``, the ``symbol`` and what it was for."""
-
-    def __init__(
-        self, message: str, library: str = "", version: str = "", symbol: Symbol | None = None
-    ) -> None:
-        super().__init__(message)
-        self.library = library
-        self.version = version
-        self.symbol = symbol
-
-    def __reduce__(self) -> tuple[type[UpstreamChanged], tuple[str, str, str, Symbol | None]]:
-        # Picklable with its fields, for errors that cross process boundaries.
-        return type(self), (str(self), self.library, self.version, self.symbol)
 
 
 def version_tuple(version: str) -> tuple[int, ...]:
