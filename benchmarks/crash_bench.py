@@ -41,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import write_results
 
 from loaderplug import sync
-from loaderplug.partial import journal_for, read_landed
+from loaderplug.jobs.partial import journal_for, read_landed
 from loaderplug.testing.crash import files_of, kill_trial, soak
 from loaderplug.testing.eviction import evicting, eviction_unavailable_reason
 from loaderplug.testing.model import write_model

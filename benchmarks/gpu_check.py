@@ -42,7 +42,7 @@ def rank_main(rank: int, world: int, init: str, files: list[str]) -> int:
     import torch.distributed as dist
     from safetensors.torch import load_file
 
-    from loaderplug.reader import iter_tensors
+    from loaderplug.tensors.reader import iter_tensors
 
     torch.cuda.set_device(rank)
     dist.init_process_group(
@@ -113,7 +113,7 @@ def main() -> int:
     from fastsafetensors import fastsafe_open
     from safetensors.torch import load_file
 
-    from loaderplug.reader import iter_tensors
+    from loaderplug.tensors.reader import iter_tensors
     from loaderplug.testing.model import write_model
 
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:

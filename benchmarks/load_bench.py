@@ -52,7 +52,7 @@ def run_one(name: str, files: list[str]) -> dict[str, float]:
     from fastsafetensors import fastsafe_open
     from safetensors.torch import load_file
 
-    from loaderplug.reader import iter_tensors
+    from loaderplug.tensors.reader import iter_tensors
 
     started = time.perf_counter()
     if name == "loaderplug":
@@ -119,7 +119,7 @@ def main() -> None:
     if args.run:
         print(json.dumps(run_one(args.run, args.files)))
         return
-    from loaderplug.pagecache import cached_fraction
+    from loaderplug.storage.residency import cached_fraction
     from loaderplug.testing.model import write_model
 
     size = 256 * MiB if args.quick else GiB

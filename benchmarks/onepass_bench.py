@@ -40,7 +40,7 @@ def child(name: str, mirror: str, local: str, mnt: str) -> dict[str, float]:
     import torch
 
     from loaderplug import hydrate
-    from loaderplug.reader import iter_tensors
+    from loaderplug.tensors.reader import iter_tensors
 
     def touch(t: torch.Tensor) -> None:
         if t.numel():

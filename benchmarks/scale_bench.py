@@ -106,7 +106,7 @@ def child(args: argparse.Namespace) -> None:
             tensor.reshape(-1).view(torch.uint8)[::4096].sum()  # touch every page
 
     if args.contender.startswith("loaderplug"):
-        from loaderplug.reader import iter_tensors
+        from loaderplug.tensors.reader import iter_tensors
 
         local = args.local or None
         for _name, tensor in iter_tensors(files, local_dir=local, group=group, progress=False):

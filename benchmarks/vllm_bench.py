@@ -54,7 +54,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import run_timed
 from hydrate_bench import PROFILE, ram_dir
 
-from loaderplug.pagecache import cached_fraction
+from loaderplug.storage.residency import cached_fraction
 from loaderplug.testing.volume import fuse_unavailable_reason, mounted
 from loaderplug.units import MiB
 

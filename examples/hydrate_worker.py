@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 import loaderplug
-from loaderplug.plugins import Plugins
+from loaderplug.plugins.manager import Plugins
 
 
 def main(name: str, local_root: str) -> Path:

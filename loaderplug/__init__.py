@@ -19,10 +19,10 @@ from loaderplug.errors import (
     UpstreamChanged,
     WeightsError,
 )
-from loaderplug.hookspecs import hookimpl
+from loaderplug.jobs.copies import hydrate, sync
+from loaderplug.plugins.hookspecs import hookimpl
 from loaderplug.report import TransferReport
 from loaderplug.settings import Settings, from_env
-from loaderplug.transfers import hydrate, sync
 from loaderplug.types import FileResult, IOPolicy, MirrorRequest
 
 __all__ = [
@@ -56,7 +56,7 @@ __all__ = [
 def __getattr__(name: str) -> object:
     # The reader needs torch; import it only when someone asks for it.
     if name in ("iter_tensors", "load_file"):
-        from loaderplug import reader
+        from loaderplug.tensors import reader
 
         return getattr(reader, name)
     raise AttributeError(f"module 'loaderplug' has no attribute {name!r}")
@@ -64,7 +64,7 @@ def __getattr__(name: str) -> object:
 
 def io_policy(path: str, direct_io: str | None = None) -> IOPolicy:
     """How loaderplug would read ``path`` (``direct_io``: auto, on or off)."""
-    from loaderplug.plugins import Plugins
+    from loaderplug.plugins.manager import Plugins
 
     settings = from_env() if direct_io is None else from_env(direct_io=direct_io)
     return Plugins(settings).io_policy(path)

@@ -1,3 +1,3 @@
-from loaderplug.cli import main
+from loaderplug.cli.commands import main
 
 raise SystemExit(main())

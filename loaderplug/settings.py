@@ -31,8 +31,22 @@ from pathlib import Path
 from typing import Any, Literal
 
 from loaderplug.errors import SettingsError
-from loaderplug.ranges import AUTO_LOCAL_WORKERS, AUTO_MAX_WORKERS, AUTO_START_WORKERS
 from loaderplug.units import GiB, KiB, MiB, format_size, parse_size
+
+# With LOADERPLUG_HYDRATE_WORKERS=auto, readers the budget is split for when the source
+# is on a network filesystem: many streams beat a per-stream cap, and the adaptive limit
+# may climb this high (fewer when an explicit chunk leaves less room in the budget).
+AUTO_MAX_WORKERS = 32
+# ... and when it is on a local disk, which has no per-stream cap: few long ranges beat
+# many short ones there (8 x 64 MiB was the best fixed setting on local disk in five of
+# six runs of benchmarks/auto_bench.py, and 5-29% ahead of 8 x 16 MiB in all six).
+AUTO_LOCAL_WORKERS = 8
+# ... and where auto starts, which small jobs' ranges are fitted for. A model of a GiB
+# is copied in a few seconds, too few windows to climb from far below: starting at 16
+# reached 32 x 16 MiB's speed on the network volume where starting at 8 fell 10-20%
+# behind, and an object store that refuses more than 6 reads in flight costs about ten
+# retries and no failed file (benchmarks/auto_bench.py).
+AUTO_START_WORKERS = 16
 
 PREFIX = "LOADERPLUG_"
 

@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from loaderplug import plugins
-from loaderplug.hookspecs import hookimpl
-from loaderplug.sinks import is_temp_name
-from loaderplug.source import PosixSource
+from loaderplug.jobs.file_sink import is_temp_name
+from loaderplug.jobs.model_folder import is_own_name
+from loaderplug.plugins import manager as plugins
+from loaderplug.plugins.hookspecs import hookimpl
+from loaderplug.storage.source import PosixSource
 from loaderplug.testing.model import write_model
-from loaderplug.tree import is_own_name
 from loaderplug.types import Identity, IOPolicy
 from tests.hubserver import hub as hub
 

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from loaderplug.bench import run_bench
-from loaderplug.cli import main
+from loaderplug.cli.bench import run_bench
+from loaderplug.cli.commands import main
 from loaderplug.testing.model import write_model
 from loaderplug.testing.volume import VolumeProfile, mounted
 from loaderplug.units import MiB

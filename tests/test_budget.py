@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from loaderplug.budget import MemoryBudget
-from loaderplug.retry import Cancelled
+from loaderplug.engine.retry import Cancelled
+from loaderplug.tensors.budget import MemoryBudget
 from loaderplug.testing.model import write_model
 from loaderplug.units import MiB
 
@@ -62,7 +62,7 @@ PEAK = """
 import json, resource, sys
 import torch  # its own memory is the baseline
 from pathlib import Path
-from loaderplug.reader import iter_tensors
+from loaderplug.tensors.reader import iter_tensors
 base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 files = sorted(Path(sys.argv[1]).glob("*.safetensors"))
 options = {"local_dir": sys.argv[3]} if len(sys.argv) > 3 else {}

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from loaderplug.tree import is_own_name
+from loaderplug.jobs.model_folder import is_own_name
 from tests.conftest import tree_bytes
 
 REPO = Path(__file__).resolve().parent.parent

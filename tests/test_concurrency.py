@@ -12,9 +12,9 @@ from dataclasses import dataclass
 
 import pytest
 
-from loaderplug.concurrency import AdaptiveLimit, FixedLimit
-from loaderplug.ranges import AUTO_START_WORKERS
-from loaderplug.retry import Cancelled
+from loaderplug.engine.concurrency import AdaptiveLimit, FixedLimit
+from loaderplug.engine.retry import Cancelled
+from loaderplug.settings import AUTO_START_WORKERS
 from loaderplug.units import MiB
 
 TICK = 0.01

@@ -9,8 +9,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from loaderplug.digest import DigestSink, Expected, ReorderWindow
 from loaderplug.errors import HydrateError
+from loaderplug.jobs.digest import DigestSink, Expected, ReorderWindow
 
 DATA = os.urandom(1 << 20)
 PIECES = [(o, DATA[o : o + 65536]) for o in range(0, len(DATA), 65536)]

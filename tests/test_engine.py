@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from loaderplug import IOPolicy, TransferFailed, hydrate
-from loaderplug.hookspecs import hookimpl
-from loaderplug.source import PosixSource
+from loaderplug.plugins.hookspecs import hookimpl
+from loaderplug.storage.source import PosixSource
 from tests.conftest import FAST, leftover_temps, tree_bytes
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from loaderplug import io_policy
-from loaderplug.fs import Mount, find_mount, is_buffered_type, read_mounts
+from loaderplug.storage.mounts import Mount, find_mount, is_buffered_type, read_mounts
 from tests.conftest import drop_from_page_cache
 
 

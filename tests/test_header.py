@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 
-from loaderplug.dtypes import DTYPES
 from loaderplug.errors import FormatError
-from loaderplug.header import (
+from loaderplug.tensors.dtypes import DTYPES
+from loaderplug.tensors.header import (
     MAX_DEPTH,
     MAX_HEADER_BYTES,
     Header,
@@ -334,7 +334,7 @@ def test_a_header_at_the_length_limit_is_read() -> None:
 )
 def test_what_crashed_the_reader_is_a_format_error(blob: bytes) -> None:
     pytest.importorskip("torch")
-    from loaderplug.tensor_sinks import torch_dtypes
+    from loaderplug.tensors.sinks import torch_dtypes
 
     with pytest.raises(FormatError):
         torch_dtypes(parse(blob))
@@ -392,7 +392,7 @@ def test_what_torch_cannot_hold_is_a_format_error_before_any_read(
     case: str, blob: bytes, message: str, tmp_path: Path
 ) -> None:
     pytest.importorskip("torch")
-    from loaderplug.tensor_sinks import torch_dtypes
+    from loaderplug.tensors.sinks import torch_dtypes
 
     with pytest.raises(FormatError, match=re.escape(message)):
         torch_dtypes(parse(blob))
@@ -403,7 +403,7 @@ def test_a_dtype_this_torch_lacks_is_a_format_error_naming_it(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     torch = pytest.importorskip("torch")
-    from loaderplug import tensor_sinks
+    from loaderplug.tensors import sinks as tensor_sinks
 
     old = types.SimpleNamespace(__version__="2.0.0", float32=torch.float32)
     monkeypatch.setattr(tensor_sinks, "torch_module", lambda: old)
@@ -424,7 +424,7 @@ def as_bytes(tensor: Any) -> bytes:
 def test_every_dtype_loads_as_safetensors_loads_it(dtype: str, tmp_path: Path) -> None:
     torch = pytest.importorskip("torch")
     safetensors_torch = pytest.importorskip("safetensors.torch")
-    from loaderplug.reader import iter_tensors, load_file
+    from loaderplug.tensors.reader import iter_tensors, load_file
     from tests.helpers.tensors import STREAMED
 
     if not hasattr(torch, DTYPES[dtype].torch_name or ""):
@@ -441,7 +441,7 @@ def test_every_dtype_loads_as_safetensors_loads_it(dtype: str, tmp_path: Path) -
 def test_f4_loads_with_the_shape_safetensors_gives_it(tmp_path: Path) -> None:
     torch = pytest.importorskip("torch")
     safetensors_torch = pytest.importorskip("safetensors.torch")
-    from loaderplug.reader import load_file
+    from loaderplug.tensors.reader import load_file
 
     if not hasattr(torch, "float4_e2m1fn_x2"):
         pytest.skip("this torch has no float4_e2m1fn_x2")
@@ -460,7 +460,7 @@ def test_a_tensor_of_no_elements_and_huge_dims_loads_as_safetensors_loads_it(
 ) -> None:
     torch = pytest.importorskip("torch")
     safetensors_torch = pytest.importorskip("safetensors.torch")
-    from loaderplug.reader import load_file
+    from loaderplug.tensors.reader import load_file
 
     shape = [0, 2**63 - 1, 2**63 - 1]  # torch.empty(shape) refuses it: its strides overflow
     path = tmp_path / "m.safetensors"
@@ -472,7 +472,7 @@ def test_a_tensor_of_no_elements_and_huge_dims_loads_as_safetensors_loads_it(
 
 def test_a_malformed_file_is_never_read_past_its_header(tmp_path: Path) -> None:
     pytest.importorskip("torch")
-    from loaderplug.reader import load_file
+    from loaderplug.tensors.reader import load_file
 
     good = encode(None, bytes(range(8)), raw=b"{" + W + b"}}" + b"   ")
     (n,) = struct.unpack("<Q", good[:8])

@@ -33,10 +33,10 @@ safetensors_torch = pytest.importorskip("safetensors.torch")
 from hypothesis import event, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from loaderplug.dtypes import DTYPES  # noqa: E402
 from loaderplug.errors import FormatError  # noqa: E402
-from loaderplug.header import LENGTH_BYTES, header_length, parse_header  # noqa: E402
-from loaderplug.reader import iter_tensors, load_file  # noqa: E402
+from loaderplug.tensors.dtypes import DTYPES  # noqa: E402
+from loaderplug.tensors.header import LENGTH_BYTES, header_length, parse_header  # noqa: E402
+from loaderplug.tensors.reader import iter_tensors, load_file  # noqa: E402
 from tests.helpers.tensors import STREAMED  # noqa: E402
 
 EXAMPLES = int(os.environ.get("HEADER_FUZZ_EXAMPLES", "150"))

@@ -200,7 +200,7 @@ def test_direct_io_refused_by_the_kernel_falls_back_to_buffered(
 
 
 def test_doctor_calls_the_test_volume_a_network_filesystem(volume: TestVolume) -> None:
-    from loaderplug.doctor import doctor
+    from loaderplug.cli.doctor import doctor
 
     line = doctor([str(volume.mountpoint)], environ={}).splitlines()[0]
     assert "fuse.loaderplug-testvol" in line and "buffered" in line

@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 
 from loaderplug import hydrate
-from loaderplug.doctor import doctor
+from loaderplug.cli.doctor import doctor
 from loaderplug.errors import TransferFailed
-from loaderplug.hookspecs import hookimpl
-from loaderplug.source import PosixSource
+from loaderplug.plugins.hookspecs import hookimpl
+from loaderplug.storage.source import PosixSource
 from loaderplug.testing.model import write_model
 from loaderplug.testing.volume import VolumeProfile, mounted
 from loaderplug.types import Identity, IOPolicy, same_mtime
@@ -164,7 +164,7 @@ def test_the_one_pass_from_a_fuse_mirror_whose_inodes_change_completes(
     fuse_model: Path, tmp_path: Path
 ) -> None:
     pytest.importorskip("torch")
-    from loaderplug.reader import iter_tensors
+    from loaderplug.tensors.reader import iter_tensors
 
     files = sorted(fuse_model.glob("*.safetensors"))
     assert files

@@ -1,4 +1,4 @@
-"""The package's modules import one another without a cycle.
+"""The package's modules import one another without a cycle, and in layer order.
 
 Every import counts: at the top of a module, inside a function, or under
 ``TYPE_CHECKING``. A cycle that only a lazy import keeps from failing at start-up still
@@ -11,8 +11,8 @@ import ast
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-# Where each package's modules live (integrations/ installs as loaderplug.integrations).
-ROOTS = {"loaderplug": REPO / "loaderplug", "loaderplug.integrations": REPO / "integrations"}
+# Where the package lives.
+ROOTS = {"loaderplug": REPO / "loaderplug"}
 
 
 def package_modules() -> dict[str, Path]:
@@ -125,17 +125,87 @@ def test_relative_and_lazy_imports_are_seen(tmp_path: Path) -> None:
         "if TYPE_CHECKING:\n"
         "    from loaderplug.report import TransferReport\n"
         "def f():\n"
-        "    from loaderplug import plugins\n"
+        "    from loaderplug import settings\n"
     )
     modules = {
         "loaderplug.integrations.volcache": module,
         "loaderplug.integrations.hub_mirror": module,
         "loaderplug.report": module,
-        "loaderplug.plugins": module,
+        "loaderplug.settings": module,
         "loaderplug": module,
     }
     assert imports_of("loaderplug.integrations.volcache", module, modules) == {
         "loaderplug.integrations.hub_mirror",
         "loaderplug.report",
-        "loaderplug.plugins",
+        "loaderplug.settings",
     }
+
+
+# The package's layers, lowest first: a module imports only from its own layer and the
+# ones below. The vocabulary is the package root's modules (its ``__init__``, the public
+# API, sits on top of everything).
+LAYERS = (
+    "vocabulary",
+    "storage",
+    "engine",
+    "plugins",
+    "jobs",
+    "tensors",
+    "integrations",
+    "testing",
+    "cli",
+)
+
+
+def layer_of(module: str) -> int | None:
+    """The layer a module belongs to; None for the package's façade (``__init__`` and
+    ``__main__``), which may import anything."""
+    parts = module.split(".")
+    if module in ("loaderplug", "loaderplug.__main__"):
+        return None
+    if len(parts) == 2 and parts[1] not in LAYERS:
+        return LAYERS.index("vocabulary")
+    return LAYERS.index(parts[1])
+
+
+def test_every_module_is_in_a_layer() -> None:
+    for name in package_modules():
+        parts = name.split(".")
+        assert len(parts) < 3 or parts[1] in LAYERS, f"{name} is in no layer"
+
+
+def test_no_layer_imports_a_higher_one() -> None:
+    modules = package_modules()
+    wrong = []
+    for name, path in sorted(modules.items()):
+        own = layer_of(name)
+        if own is None:
+            continue
+        for imported in sorted(imports_of(name, path, modules)):
+            theirs = layer_of(imported)
+            if theirs is None or theirs > own:
+                wrong.append(f"{name} ({LAYERS[own]}) imports {imported}")
+    assert not wrong, "imports against the layer order:\n" + "\n".join(wrong)
+
+
+def test_the_root_holds_only_the_vocabulary_and_the_public_api() -> None:
+    root = {p.stem for p in (REPO / "loaderplug").glob("*.py")}
+    assert root == {
+        "__init__",
+        "__main__",
+        "errors",
+        "glossary",
+        "report",
+        "settings",
+        "types",
+        "units",
+    }
+
+
+def test_the_layer_check_sees_an_upward_import(tmp_path: Path) -> None:
+    module = tmp_path / "spans.py"
+    module.write_text("from loaderplug.jobs import runner\n")
+    modules = {"loaderplug.engine.spans": module, "loaderplug.jobs.runner": module}
+    (imported,) = imports_of("loaderplug.engine.spans", module, modules)
+    own, theirs = layer_of("loaderplug.engine.spans"), layer_of(imported)
+    assert own is not None and theirs is not None and theirs > own

@@ -152,7 +152,7 @@ def same_weights(local: Path, backing: Path) -> bool:
 def one_pass(model: Path, local: Path, backing: Path) -> None:
     """``backing``: the mirror's folder behind the mount, to compare with (safetensors maps
     the files it loads, and a mapping of the mount dies of SIGBUS at a stale handle)."""
-    from loaderplug.reader import iter_tensors
+    from loaderplug.tensors.reader import iter_tensors
 
     files = sorted(model.glob("*.safetensors"))
     got = {
@@ -183,6 +183,7 @@ def hub_download_from_the_mirror(
     original: dict[str, bytes],
 ) -> None:
     import huggingface_hub
+
     from loaderplug.integrations import hub_commits
     from loaderplug.integrations import huggingface_hub as lp_hub
 

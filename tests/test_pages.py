@@ -8,8 +8,8 @@ import mmap
 
 import pytest
 
-from loaderplug.header import Header, TensorInfo
-from loaderplug.pages import PAGE, PageReleaser
+from loaderplug.tensors.header import Header, TensorInfo
+from loaderplug.tensors.page_release import PAGE, PageReleaser
 
 torch = pytest.importorskip("torch")
 

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from loaderplug.partial import Landed, journal_for, read_landed
+from loaderplug.engine.spans import Landed
+from loaderplug.jobs.partial import journal_for, read_landed
 from loaderplug.testing import slowed
 from loaderplug.testing.model import write_model
 from loaderplug.types import Identity

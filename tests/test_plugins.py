@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from loaderplug import IOPolicy, MirrorRequest, PluginError, hookimpl, hydrate, iter_tensors, sync
-from loaderplug.plugins import Plugins
+from loaderplug.plugins.manager import Plugins
 from loaderplug.report import FileResult, TransferReport
 from loaderplug.settings import from_env
 from loaderplug.types import Identity
@@ -307,7 +307,7 @@ def test_a_raising_entry_point_observer_fails_neither_a_skipping_hydrate_nor_a_s
     )
     write_distribution(tmp_path, "metricsplug", body)
     monkeypatch.syspath_prepend(str(tmp_path))
-    from loaderplug.cli import main
+    from loaderplug.cli.commands import main
 
     args = ["--chunk-bytes", "64K", "--workers", "4"]
     assert main(["hydrate", "--from", str(model), "--to", str(tmp_path / "local"), *args]) == 0
@@ -361,7 +361,7 @@ def test_a_plugin_registered_at_run_time_applies_to_every_job(
 def test_entry_point_scan_is_skipped_only_when_no_distribution_declares_one(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from loaderplug import plugins
+    from loaderplug.plugins import manager as plugins
 
     assert plugins._declared_nowhere("loaderplug-no-such-group")
     write_distribution(tmp_path, "declared", PLUGIN_MODULE)
@@ -376,7 +376,7 @@ def test_entry_point_scan_is_skipped_only_when_no_distribution_declares_one(
 def test_an_egg_on_the_path_is_left_to_importlib(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from loaderplug import plugins
+    from loaderplug.plugins import manager as plugins
 
     (tmp_path / "legacy.egg").mkdir()
     monkeypatch.syspath_prepend(str(tmp_path / "legacy.egg"))

@@ -4,16 +4,14 @@ import itertools
 
 import pytest
 
-from loaderplug.ranges import (
-    Span,
+from loaderplug.engine.sizing import (
     chunk_for_job,
     chunk_for_source,
-    count_spans,
     default_sizing,
     is_adaptive,
-    offset_major,
     workers_for_chunk,
 )
+from loaderplug.engine.spans import Span, count_spans, offset_major
 from loaderplug.settings import from_env
 from loaderplug.units import MiB
 

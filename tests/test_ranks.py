@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from loaderplug.ranks import owners
+from loaderplug.tensors.ranks import owners
 from loaderplug.testing.model import write_model
 from loaderplug.testing.volume import VolumeProfile, mounted
 from loaderplug.units import MiB

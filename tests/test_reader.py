@@ -10,13 +10,13 @@ from pathlib import Path
 import pytest
 
 from loaderplug import FormatError, TransferFailed, hookimpl, io_policy
-from loaderplug.source import PosixSource
+from loaderplug.storage.source import PosixSource
 from loaderplug.types import IOPolicy
 from tests.conftest import FAST
 
 torch = pytest.importorskip("torch")
 safetensors_torch = pytest.importorskip("safetensors.torch")
-from loaderplug.reader import iter_tensors, load_file  # noqa: E402
+from loaderplug.tensors.reader import iter_tensors, load_file  # noqa: E402
 from tests.conftest import drop_from_page_cache  # noqa: E402
 from tests.helpers.tensors import STREAMED, reference, same  # noqa: E402
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from loaderplug import hookimpl, hydrate
-from loaderplug.source import PosixSource
+from loaderplug.storage.source import PosixSource
 from loaderplug.testing import slowed
 from loaderplug.testing.model import write_model
 from loaderplug.testing.volume import VolumeProfile, mounted
@@ -101,7 +101,7 @@ def test_a_one_pass_killed_again_and_again_leaves_no_temp_file_once_it_completes
 def test_a_one_pass_over_a_current_local_copy_reads_nothing_from_the_mirror(
     tmp_path: Path,
 ) -> None:
-    from loaderplug.reader import iter_tensors
+    from loaderplug.tensors.reader import iter_tensors
     from tests.helpers.tensors import reference, same
 
     backing = tmp_path / "backing"
@@ -122,7 +122,7 @@ def test_a_one_pass_over_a_current_local_copy_reads_nothing_from_the_mirror(
 
 
 def test_header_read_retries_count_in_the_report(shards: list[Path], inject) -> None:
-    from loaderplug.reader import iter_tensors
+    from loaderplug.tensors.reader import iter_tensors
 
     # The first read of every file is its header's: two of them fail, then succeed.
     plugin = inject(errno.EAGAIN, match="", times=2)

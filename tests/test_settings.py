@@ -4,12 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from loaderplug.engine.sizing import chunk_for_source, default_sizing, workers_for_chunk
 from loaderplug.errors import SettingsError
-from loaderplug.ranges import (
-    chunk_for_source,
-    default_sizing,
-    workers_for_chunk,
-)
 from loaderplug.settings import from_env
 from loaderplug.units import GiB, MiB
 

@@ -14,12 +14,12 @@ from typing import Any
 
 import pytest
 
-from loaderplug import staging
-from loaderplug.staging import StagingPool
+from loaderplug.tensors import staging
+from loaderplug.tensors.staging import StagingPool
 
 torch = pytest.importorskip("torch")
 safetensors_torch = pytest.importorskip("safetensors.torch")
-from loaderplug.reader import iter_tensors  # noqa: E402
+from loaderplug.tensors.reader import iter_tensors  # noqa: E402
 from tests.helpers.tensors import STREAMED, reference, same  # noqa: E402
 
 
@@ -73,7 +73,9 @@ class LateBackend:
 @pytest.fixture
 def late(monkeypatch: pytest.MonkeyPatch) -> LateBackend:
     backend = LateBackend()
-    monkeypatch.setattr("loaderplug.loads.backend_for", lambda d: backend if d == "late" else None)
+    monkeypatch.setattr(
+        "loaderplug.tensors.load_plan.backend_for", lambda d: backend if d == "late" else None
+    )
     # Two 4 KiB staging buffers for the whole job: each is reused many times over.
     monkeypatch.setattr(staging, "STAGING_BUFFER_BYTES", 4096)
     return backend
@@ -165,8 +167,8 @@ class InOrderBackend:
 
 
 def test_a_tensor_finished_by_one_writer_waits_for_another_writers_copies() -> None:
-    from loaderplug.header import Header, TensorInfo
-    from loaderplug.tensor_sinks import DeviceTensorSink
+    from loaderplug.tensors.header import Header, TensorInfo
+    from loaderplug.tensors.sinks import DeviceTensorSink
 
     tensor = TensorInfo("w", "U8", (8,), 8, 16)
     header = Header("f", 16, 8, (tensor,), {})

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from loaderplug import MirrorError, hydrate, sync
-from loaderplug.sync_mark import MARK_NAME, SyncMark, read_mark, wait_for_sync
+from loaderplug.jobs.sync_mark import MARK_NAME, SyncMark, read_mark, wait_for_sync
 from loaderplug.testing import slowed
 from loaderplug.testing.model import write_model
 from loaderplug.units import MiB

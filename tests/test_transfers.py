@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from loaderplug import MirrorError, hydrate, sync
+from loaderplug.jobs.model_folder import MANIFEST_NAME
 from loaderplug.testing.model import write_model
-from loaderplug.tree import MANIFEST_NAME
 from tests.conftest import FAST, leftover_temps, tree_bytes
 
 
@@ -213,8 +213,8 @@ def test_a_file_where_the_mirror_has_a_folder_fails_that_path_only(
 
 
 def test_a_selection_never_reaches_outside_its_roots(model: Path, tmp_path: Path) -> None:
+    from loaderplug.jobs.copies import select
     from loaderplug.settings import from_env
-    from loaderplug.transfers import select
 
     first = sorted(p.name for p in model.iterdir() if p.is_file())[0]
     dst = tmp_path / "dst"
@@ -227,8 +227,8 @@ def test_a_selection_never_reaches_outside_its_roots(model: Path, tmp_path: Path
 
 
 def test_a_link_to_a_file_the_selection_refused_is_not_made(model: Path, tmp_path: Path) -> None:
+    from loaderplug.jobs.copies import select
     from loaderplug.settings import from_env
-    from loaderplug.transfers import select
 
     dst = tmp_path / "dst"
     report = select(
@@ -239,8 +239,8 @@ def test_a_link_to_a_file_the_selection_refused_is_not_made(model: Path, tmp_pat
 
 
 def test_a_selection_sweeps_only_its_own_leftovers(model: Path, tmp_path: Path) -> None:
+    from loaderplug.jobs.copies import select
     from loaderplug.settings import from_env
-    from loaderplug.transfers import select
 
     first = sorted(p.name for p in model.iterdir() if p.is_file())[0]
     dst = tmp_path / "dst"

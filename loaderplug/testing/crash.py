@@ -21,12 +21,14 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from loaderplug import hookimpl, hydrate, plugins
-from loaderplug.sinks import is_temp_name
-from loaderplug.source import PosixSource
+from loaderplug.jobs.copies import hydrate
+from loaderplug.jobs.file_sink import is_temp_name
+from loaderplug.jobs.model_folder import SYNC_MARK_NAME as MARK_NAME
+from loaderplug.jobs.model_folder import is_own_name
+from loaderplug.plugins import manager as plugins
+from loaderplug.plugins.hookspecs import hookimpl
+from loaderplug.storage.source import PosixSource
 from loaderplug.testing import slowed
-from loaderplug.tree import SYNC_MARK_NAME as MARK_NAME
-from loaderplug.tree import is_own_name
 from loaderplug.types import IOPolicy
 
 ENV = {

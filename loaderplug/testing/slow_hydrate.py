@@ -8,14 +8,14 @@ third-party backend would use.
 from __future__ import annotations
 
 import os
+import runpy
 import signal
 import sys
 import time
 
-from loaderplug import plugins
-from loaderplug.cli import main
-from loaderplug.hookspecs import hookimpl
-from loaderplug.source import PosixSource
+from loaderplug.plugins import manager as plugins
+from loaderplug.plugins.hookspecs import hookimpl
+from loaderplug.storage.source import PosixSource
 from loaderplug.types import IOPolicy
 
 
@@ -40,4 +40,6 @@ signal.signal(signal.SIGINT, signal.default_int_handler)
 DELAY_S = float(sys.argv[1])
 READ_LOG = os.environ.get("SLOW_HYDRATE_READ_LOG", "")
 plugins.register(SlowPlugin())
-sys.exit(main(sys.argv[2:]))
+# The command itself, as `python -m loaderplug ARGS` runs it, in this process.
+sys.argv = ["loaderplug", *sys.argv[2:]]
+runpy.run_module("loaderplug", run_name="__main__", alter_sys=True)

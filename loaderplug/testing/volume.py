@@ -53,7 +53,7 @@ from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import IO, Any
 
-from loaderplug.fs import read_mounts
+from loaderplug.storage.mounts import read_mounts
 from loaderplug.testing.faults import Fault, Replace, VolumeProfile
 from loaderplug.testing.fuse_server import FSTYPE, fusermount
 

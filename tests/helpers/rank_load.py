@@ -30,10 +30,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from loaderplug import hookimpl, plugins
+from loaderplug import hookimpl
 from loaderplug.errors import LoaderplugError
-from loaderplug.reader import iter_tensors
-from loaderplug.source import PosixSource
+from loaderplug.plugins import manager as plugins
+from loaderplug.storage.source import PosixSource
+from loaderplug.tensors.reader import iter_tensors
 from loaderplug.types import IOPolicy
 
 reads: dict[str, int] = {}  # by file name

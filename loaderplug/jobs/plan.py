@@ -1,0 +1,109 @@
+"""A plan: everything a job is, stated before anything runs.
+
+Every job (hydrate, sync, a selection of files, a load, a one pass) is a planner that
+builds a :class:`Plan`; the runner (:mod:`loaderplug.jobs.runner`) executes any plan the same
+way. A plan names its destination and lock, how to find the leftovers of a killed run,
+and how to list its files, which the runner calls under the lock so that a job that
+waited for another sees what that one left. A plan that loads tensors says how they are
+delivered.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+from loaderplug.engine.sinks import Sink
+from loaderplug.jobs.digest import Expected
+from loaderplug.tensors.header import Header
+from loaderplug.types import Identity, IOPolicy
+
+if TYPE_CHECKING:
+    from loaderplug.report import TransferReport
+
+# What a copied file must hash to, by its path relative to the destination (None: not
+# checked); checked as it is copied, before it is published (see loaderplug.jobs.digest).
+Expect = Callable[[str], Expected | None]
+# Hands a finished tensor on: its name and the tensor.
+Emit = Callable[[str, Any], None]
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    """One file of a job: where its bytes are, what they must be, where a copy goes.
+
+    ``rel`` names the file in the report (its path under the destination, or its name
+    for a load). With ``copy_to`` the file is published there, unless the copy there is
+    current already; without it the file is only read. A copy gets the source's
+    permission bits (``mode``), within the umask.
+    """
+
+    rel: str
+    source: Path
+    identity: Identity
+    copy_to: Path | None = None
+    mode: int = 0o644
+
+    @staticmethod
+    def of(rel: str, source: Path, st: os.stat_result, copy_to: Path | None = None) -> FileEntry:
+        """The entry for a file whose ``stat`` is ``st``: its identity and permission
+        bits (never setuid, setgid or sticky: a copy must not gain privileges)."""
+        return FileEntry(rel, source, Identity.of(st), copy_to, stat.S_IMODE(st.st_mode) & 0o777)
+
+
+@dataclass
+class Listing:
+    """What a job's source holds: files, relative symlinks to place, folders to create
+    (all relative to the destination), and the paths refused, with why."""
+
+    files: list[FileEntry] = field(default_factory=list)
+    symlinks: dict[str, str] = field(default_factory=dict)
+    dirs: list[str] = field(default_factory=list)
+    refused: dict[str, str] = field(default_factory=dict)
+
+
+class TensorDelivery(Protocol):
+    """How a load hands tensors over: a sink per file, or, for a file that is in memory
+    already, tensors over a mapping of it."""
+
+    def sink(self, header: Header, emit: Emit) -> Sink: ...
+
+    def maps(self, policy: IOPolicy) -> bool:
+        """Whether a file read under ``policy`` is best served by mapping it."""
+        ...
+
+    def mapped(self, header: Header) -> Iterator[tuple[str, Any]]: ...
+
+    def taken(self, tensor: Any) -> None:
+        """The consumer received ``tensor``, one a sink emitted (not a mapped one)."""
+        ...
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A job for the runner.
+
+    ``destination`` is where folders and symlinks are made (None: the job writes no
+    tree). ``locks`` are the lock files held while the job publishes, in order (none:
+    nothing is published; see :mod:`loaderplug.jobs.locks`).
+    ``leftovers`` lists the temp files a killed run of this job may have left; they are
+    removed once the lock is held. ``finish`` runs under the lock once every file is
+    done (a sync writes its manifest there). ``around`` makes a context the whole job
+    runs in, once the locks are held (a sync's mark on the mirror).
+    """
+
+    job: str
+    source: str
+    destination: Path | None
+    list_files: Callable[[], Listing]
+    locks: tuple[Path, ...] = ()
+    leftovers: Callable[[], list[Path]] = lambda: []
+    expect: Expect | None = None
+    tensors: TensorDelivery | None = None
+    finish: Callable[[Listing, TransferReport], None] | None = None
+    around: Callable[[], AbstractContextManager[Any]] | None = None

@@ -1,0 +1,182 @@
+"""A mark on a mirror that a sync is writing it, which works where flock does not.
+
+A sync replaces a mirror's files one by one and writes the manifest last; until then the
+mirror is a mix of two generations, or, on a first sync, a model with files missing.
+So before it touches anything a sync creates ``.loaderplug-sync`` at the mirror's root
+(``O_EXCL``, which NFS and FUSE honour where their locks may not), refreshes its mtime
+every few seconds while it runs, and removes it after the manifest. A hydrate that finds
+the mark waits for the sync to finish (``LOADERPLUG_SYNC_WAIT_S``); one that finds a mark
+nobody refreshed for ``LOADERPLUG_SYNC_STALE_S`` (a syncer that died), or one a syncer
+left when it failed, refuses the mirror: it would publish an incomplete or mixed model.
+A second sync waits for the first, so the manifest always matches the files it lists;
+it takes over a dead syncer's mark.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import os
+import secrets
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+
+from loaderplug.errors import MirrorError
+from loaderplug.jobs.model_folder import SYNC_MARK_NAME as MARK_NAME
+
+POLL_S = 0.2
+
+
+@dataclass(frozen=True)
+class Mark:
+    """A mark as found: who made it, how long ago it was refreshed, whether it was left
+    by a sync that failed."""
+
+    owner: str
+    age_s: float
+    abandoned: bool
+
+    def live(self, stale_s: float) -> bool:
+        return not self.abandoned and self.age_s < stale_s
+
+
+def read_mark(path: Path) -> Mark | None:
+    """The mark at ``path``, or None where there is none."""
+    try:
+        st = os.stat(path)
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return None
+    try:
+        data = json.loads(text)
+        owner = f"{data['host']} pid {data['pid']}, since {data['started']}"
+        abandoned = bool(data.get("abandoned"))
+    except (ValueError, KeyError, TypeError):
+        owner, abandoned = "an unknown syncer", False  # half-written: judged by its age
+    return Mark(owner, max(0.0, time.time() - st.st_mtime), abandoned)
+
+
+def wait_for_sync(
+    mirror: Path, wait_s: float, stale_s: float, sleep: Callable[[float], None] = time.sleep
+) -> None:
+    """Return once no sync is writing ``mirror``; raise if one died or failed there, or
+    is still writing after ``wait_s``."""
+    started = time.monotonic()
+    while (mark := read_mark(mirror / MARK_NAME)) is not None:
+        if mark.abandoned:
+            raise MirrorError(
+                f"{mirror}: a sync ({mark.owner}) failed while writing this mirror, which is "
+                f"incomplete or mixes two versions; run `loaderplug sync` to it again"
+            )
+        if not mark.live(stale_s):
+            raise MirrorError(
+                f"{mirror}: a sync ({mark.owner}) died while writing this mirror (its mark "
+                f"was last refreshed {mark.age_s:.0f} s ago), which is incomplete or mixes "
+                f"two versions; run `loaderplug sync` to it again"
+            )
+        if time.monotonic() - started >= wait_s:
+            raise MirrorError(
+                f"{mirror}: a sync ({mark.owner}) is still writing this mirror after "
+                f"{wait_s:g} s; retry when it is done, or raise LOADERPLUG_SYNC_WAIT_S"
+            )
+        sleep(POLL_S)
+
+
+class SyncMark(contextlib.AbstractContextManager["SyncMark"]):
+    """The mark of this process's sync of ``mirror``, for a ``with`` block: taken on
+    entry (after any other live sync), refreshed while held, removed on a clean exit and
+    left ``abandoned`` on an exception (the mirror is then not whole)."""
+
+    def __init__(self, mirror: Path, wait_s: float, stale_s: float) -> None:
+        self.mirror = mirror
+        self.path = mirror / MARK_NAME
+        self.wait_s = wait_s
+        self.stale_s = stale_s
+        self.token = secrets.token_hex(8)
+        self._stop = threading.Event()
+        self._heart: threading.Thread | None = None
+
+    def __enter__(self) -> SyncMark:
+        self.mirror.mkdir(parents=True, exist_ok=True)
+        started = time.monotonic()
+        while not self._create():
+            mark = read_mark(self.path)
+            if mark is not None and not mark.live(self.stale_s):
+                self._take_over()
+                continue
+            if time.monotonic() - started >= self.wait_s:
+                owner = mark.owner if mark else "another syncer"
+                raise MirrorError(
+                    f"{self.mirror}: another sync ({owner}) is still writing this mirror "
+                    f"after {self.wait_s:g} s; retry when it is done"
+                )
+            time.sleep(POLL_S)
+        self._heart = threading.Thread(target=self._beat, name="loaderplug-sync-mark", daemon=True)
+        self._heart.start()
+        return self
+
+    def _create(self) -> bool:
+        body = {
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "token": self.token,
+        }
+        try:
+            fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        except FileExistsError:
+            return False
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(body, f)
+            f.flush()
+            os.fsync(f.fileno())
+        return True
+
+    def _take_over(self) -> None:
+        """Move a dead syncer's mark aside; if what moved was someone's fresh mark (it
+        was replaced meanwhile), put it back."""
+        aside = self.path.with_name(f"{MARK_NAME}.{self.token}.stale")
+        try:
+            os.rename(self.path, aside)
+        except FileNotFoundError:
+            return
+        mark = read_mark(aside)
+        if mark is not None and mark.live(self.stale_s):
+            with contextlib.suppress(OSError):
+                os.link(aside, self.path)  # no clobbering: fails if another mark is there
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(aside)
+
+    def _beat(self) -> None:
+        # Refreshed several times within the staleness limit: one slow write is no death.
+        every = max(0.5, min(5.0, self.stale_s / 4))
+        while not self._stop.wait(every):
+            with contextlib.suppress(OSError):
+                os.utime(self.path)
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self._stop.set()
+        if self._heart is not None:
+            self._heart.join()
+        if kind is None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path)
+            return
+        try:  # left for hydrates to refuse at once, rather than after it goes stale
+            data = json.loads(self.path.read_text(encoding="utf-8"))
+            data["abandoned"] = True
+            self.path.write_text(json.dumps(data), encoding="utf-8")
+        except OSError as error:
+            if error.errno not in (errno.ENOENT, errno.EROFS):
+                raise

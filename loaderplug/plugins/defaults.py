@@ -1,0 +1,33 @@
+"""Built-in behaviour, registered as a plugin so a third-party plugin can replace it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from loaderplug.plugins.hookspecs import hookimpl
+from loaderplug.settings import Settings
+from loaderplug.storage.io_policy import decide
+from loaderplug.storage.source import PosixSource
+from loaderplug.types import IOPolicy, MirrorRequest, Source
+
+
+@hookimpl(trylast=True)
+def loaderplug_find_mirror(request: MirrorRequest, settings: Settings) -> Path | None:
+    if not settings.volume:
+        return None
+    volume = Path(settings.volume)
+    candidate = volume / request.subpath
+    if request.kind == "hub":
+        # The Hub layout's root: its repos are looked up (and created) inside it.
+        return candidate if volume.is_dir() else None
+    return candidate if candidate.exists() else None
+
+
+@hookimpl(trylast=True)
+def loaderplug_io_policy(path: str, mode: str) -> IOPolicy:
+    return decide(path, mode)
+
+
+@hookimpl(trylast=True)
+def loaderplug_open_source(path: str, policy: IOPolicy) -> Source:
+    return PosixSource(path, policy)

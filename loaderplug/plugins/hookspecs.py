@@ -1,0 +1,96 @@
+"""Every loaderplug hook, grouped by phase.
+
+Hooks are called with keyword arguments only, through :class:`loaderplug.plugins.manager.Plugins`.
+Every hook receives ``settings``, the :class:`~loaderplug.settings.Settings` of the job
+that calls it; an implementation takes any subset of a hook's arguments, so one written
+before an argument was added keeps working. ``firstresult`` hooks stop at the first
+plugin that returns something other than ``None``; built-in implementations are
+registered ``trylast``, so any third-party plugin that answers wins. Observe hooks are
+called on every plugin and their return values are ignored; one that raises is logged
+and never fails the job. Observe hooks may run on worker threads: keep them quick and
+thread-safe.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import pluggy
+
+from loaderplug.types import FileResult, IOPolicy, MirrorRequest, Source
+
+if TYPE_CHECKING:
+    from loaderplug.report import TransferReport
+    from loaderplug.settings import Settings
+
+PROJECT = "loaderplug"
+hookspec = pluggy.HookspecMarker(PROJECT)
+hookimpl = pluggy.HookimplMarker(PROJECT)
+
+
+# -- locate -------------------------------------------------------------------------
+
+
+@hookspec(firstresult=True)
+def loaderplug_find_mirror(request: MirrorRequest, settings: Settings) -> Path | None:
+    """Where a copy of ``request`` lives on a volume mirror, or ``None`` if nowhere.
+
+    The built-in answer comes from ``settings.volume`` (``LOADERPLUG_VOLUME``, or a
+    loader's own mirror option).
+    """
+
+
+# -- policy -------------------------------------------------------------------------
+
+
+@hookspec(firstresult=True)
+def loaderplug_io_policy(path: str, mode: str, settings: Settings) -> IOPolicy | None:
+    """How to read ``path``: O_DIRECT or buffered, with alignment and reason.
+
+    ``mode`` is ``auto``, ``on`` or ``off``: the job's ``settings.direct_io``.
+    """
+
+
+# -- move ---------------------------------------------------------------------------
+
+
+@hookspec(firstresult=True)
+def loaderplug_open_source(path: str, policy: IOPolicy, settings: Settings) -> Source | None:
+    """Open ``path`` for reading: an object with ``size``, ``identity()``,
+    ``pread_into(buf, offset)`` and ``close()`` (see :class:`loaderplug.types.Source`).
+
+    Called by each worker thread for each file it reads from (its own descriptor), and
+    once more before a file is published, to check that it held still. A plugin can
+    serve another backend (S3, a cache) or wrap the built-in source to observe or
+    inject faults.
+    """
+
+
+# -- observe ------------------------------------------------------------------------
+
+
+@hookspec
+def loaderplug_on_range_done(
+    job: str, path: str, offset: int, length: int, retries: int, settings: Settings
+) -> None:
+    """A range of ``path`` landed in every sink of its file (``job``: hydrate, sync or
+    load)."""
+
+
+@hookspec
+def loaderplug_on_file_done(job: str, result: FileResult, settings: Settings) -> None:
+    """A file was published, loaded, linked, skipped or failed."""
+
+
+@hookspec
+def loaderplug_on_tensor_ready(
+    job: str, path: str, name: str, tensor: Any, settings: Settings
+) -> None:
+    """Tensor ``name`` of the file ``path`` is complete and about to be handed to the
+    consumer (called on the consumer's thread, just before it receives the tensor)."""
+
+
+@hookspec
+def loaderplug_on_job_done(report: TransferReport, settings: Settings) -> None:
+    """A job finished; ``report`` says what happened to every file."""

@@ -1,0 +1,479 @@
+"""Ranks that share a load: each byte read once per host, every tensor to every rank.
+
+When the ranks of a ``torch.distributed`` group load the same files (tensor-parallel
+workers on one host), each reading everything would read the model once per rank, from
+the disk or the volume, and hold it once per rank. Instead the ranks of each host
+(:func:`share_for`) split the files between them, balanced by bytes, by a rule every rank
+computes the same way (:func:`owners`). Each rank loads its own files as any load is
+loaded (a plan run by the runner: locks, leftovers, current copies, the memory budget),
+and the tensors reach the other ranks one of two ways:
+
+* **pagecache** (CPU tensors from files on a local filesystem): the owner reads buffered,
+  so once it is done with a file the file sits in the page cache; it says so, and the
+  others map it from there, as safetensors does, without reading the disk again. A
+  one pass publishes each rank's files into the local copy, and the others map that.
+* **broadcast** (CUDA tensors over NCCL, or files on a network filesystem, whose pages
+  no other process can share): the owner broadcasts each tensor over the group as it
+  completes.
+
+The ranks advance in steps, all together: at each step every rank says (through one
+small collective) what it has done since the last one: a file finished, a tensor to
+broadcast, nothing left, or the error it hit. An error on one rank is raised on every
+rank, naming the rank; every collective runs on a group of loaderplug's own with
+``LOADERPLUG_DISTRIBUTED_TIMEOUT_S``, the bound for a rank that is slow. A rank that
+dies is noticed at once (:mod:`loaderplug.tensors.peers` watches the processes of the host's
+ranks): every other rank stops reading and raises, naming it, whether it was waiting
+in a step, reading, or waiting for its consumer to ask for the next tensor.
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+import mmap
+import os
+import pickle
+import socket
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from loaderplug.errors import DistributedError, LoaderplugError
+from loaderplug.jobs.runner import FileFinished, Runner, TensorReady
+from loaderplug.settings import Settings
+from loaderplug.storage.mounts import filesystem_type, is_network_type
+from loaderplug.tensors.header import LENGTH_BYTES, Header, header_length, parse_header
+from loaderplug.tensors.load_plan import load_plan
+from loaderplug.tensors.peers import Peer, PeerWatch, pid_namespace
+from loaderplug.tensors.sinks import mapped_tensors
+
+
+@dataclass(frozen=True)
+class Share:
+    """This host's ranks of a group: a gloo group of loaderplug's own, this rank in it."""
+
+    group: Any  # torch.distributed.ProcessGroup
+    rank: int
+    size: int
+    global_ranks: tuple[int, ...]  # each member's rank in the default group
+    timeout_s: int
+    peers: tuple[Peer, ...] = ()  # the other members whose processes this one can watch
+
+
+def share_for(group: Any, settings: Settings) -> Share | None:
+    """The ranks on this host that share a load with this one, or None to load alone:
+    sharing is off, no group is given or initialised, or it has one rank here."""
+    if settings.distributed == "off":
+        return None
+    import torch.distributed as dist
+
+    if group is None:
+        if not (dist.is_available() and dist.is_initialized()):
+            return None
+        group = dist.group.WORLD
+    size = dist.get_world_size(group)
+    if size <= 1:
+        return None
+    ranks: list[Any] = [None] * size
+    _collective(dist.all_gather_object, ranks, _RankProcess.here(), group=group)
+    me_here = ranks[dist.get_rank(group)]
+    here = [r for r, rank in enumerate(ranks) if rank.host == me_here.host]
+    members = tuple(dist.get_global_rank(group, r) for r in here)
+    if len(members) <= 1:
+        return None
+    peers = tuple(
+        Peer(dist.get_global_rank(group, r), ranks[r].pid)
+        for r in here
+        if ranks[r] != me_here
+        and me_here.pid_namespace is not None
+        and ranks[r].pid_namespace == me_here.pid_namespace
+    )
+    timeout = datetime.timedelta(seconds=settings.distributed_timeout_s)
+    # Only this host's ranks take part in making their group (every host makes its own).
+    own = dist.new_group(
+        list(members), timeout=timeout, backend="gloo", use_local_synchronization=True
+    )
+    me = members.index(dist.get_rank())
+    return Share(own, me, len(members), members, settings.distributed_timeout_s, peers)
+
+
+@dataclass(frozen=True)
+class _RankProcess:
+    """Where a rank runs: its host, and its process as the host's other ranks see it."""
+
+    host: str
+    pid: int
+    pid_namespace: str | None
+
+    @staticmethod
+    def here() -> _RankProcess:
+        return _RankProcess(_host_id(), os.getpid(), pid_namespace())
+
+
+def _host_id() -> str:
+    """What tells hosts apart: the host name and this boot of it."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}"
+
+
+def owners(sizes: Sequence[int], ranks: int) -> list[int]:
+    """The rank that reads each file: largest files first, each to the rank with the
+    fewest bytes so far (ties: the lower rank). The same on every rank."""
+    load = [0] * ranks
+    owner = [0] * len(sizes)
+    for index in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        rank = min(range(ranks), key=lambda r: (load[r], r))
+        owner[index] = rank
+        load[rank] += sizes[index]
+    return owner
+
+
+def sharing_mode(
+    paths: Sequence[Path], device: str, local_dir: Path | None, settings: Settings
+) -> str:
+    """pagecache or broadcast, as the setting says or (auto) as measured best
+    (benchmarks/scale_bench.py): the page cache for CPU tensors read in place from a
+    local filesystem (device bytes 1x and 0.9-1.0x safe_open's time at 2 and 4 ranks,
+    a third of a broadcast's memory), a broadcast otherwise: for CUDA tensors, for
+    network files, whose pages other processes cannot share, and for a one pass, whose
+    tensors then flow as they land instead of after each file is durable (from the
+    FUSE volume: 1.5x a plain hydrate's time at 2 ranks, the page cache 2.3x)."""
+    if settings.rank_sharing != "auto":
+        return settings.rank_sharing
+    if device != "cpu" or local_dir is not None:
+        return "broadcast"
+    local = all(
+        not is_network_type(filesystem_type(folder)) for folder in {p.parent for p in paths}
+    )
+    return "pagecache" if local else "broadcast"
+
+
+def shared_tensors(
+    paths: Sequence[str | os.PathLike[str]],
+    device: str,
+    local_dir: str | os.PathLike[str] | None,
+    settings: Settings,
+    share: Share,
+    stats: dict[str, Any] | None = None,
+) -> Iterator[tuple[str, Any]]:
+    """Every tensor of ``paths`` on this rank, this rank reading only its own files."""
+    import torch.distributed as dist
+
+    files = [Path(p) for p in paths]
+    local = Path(local_dir) if local_dir is not None else None
+    steps = _Steps(share, PeerWatch(share.peers))
+    groups = [share.group]
+    try:
+        try:
+            sizes = [_size(p) for p in files]
+        except LoaderplugError as exc:  # the others hear of it at their first step
+            steps.exchange(("error", str(exc)))
+            raise AssertionError("unreachable: the step raised") from exc
+        owner = owners(sizes, share.size)
+        mine = [f for f, r in zip(files, owner, strict=True) if r == share.rank]
+        mode = sharing_mode(files, device, local, settings)
+        if mode == "pagecache":
+            # Buffered, so what this rank reads stays in the page cache for the others.
+            settings = settings.replace(direct_io="off")
+        plan = load_plan(mine, device, settings, local, lock_each_file=True)
+        runner = Runner(plan, settings)
+        # A dead peer stops this rank's reading and wakes its wait for the next tensor.
+        steps.watch.on_death(lambda peer: runner.interrupt(steps.watch.error(peer)))
+        if mode == "pagecache":
+            final = [local / f.name if local is not None else f for f in files]
+            yield from _by_page_cache(runner, steps, files, final)
+        else:
+            groups.append(_data_group(share, device))
+            yield from _by_broadcast(runner, steps, device, groups[-1])
+    finally:
+        # Past the last step (or failed everywhere): the peers may exit as they like.
+        steps.watch.close()
+        # The groups are this load's: left behind, their threads abort the process at
+        # exit.
+        for group in {id(g): g for g in groups}.values():
+            dist.destroy_process_group(group)
+            if steps.pending is not None:
+                _abandon(group, steps.pending)
+    if stats is not None:
+        stats.update(
+            report=runner.report,
+            first_tensor_s=runner.first_tensor_s,
+            io=runner.io_modes,
+            sharing=mode,
+            owners={str(f): share.global_ranks[r] for f, r in zip(files, owner, strict=True)},
+        )
+
+
+def _data_group(share: Share, device: str) -> Any:
+    """The group tensors are broadcast over: the share's own (gloo) for CPU tensors, an
+    NCCL group of the same ranks for CUDA ones (from the reader's device copy)."""
+    if not device.startswith("cuda"):
+        return share.group
+    import torch.distributed as dist
+
+    return dist.new_group(
+        list(share.global_ranks),
+        timeout=datetime.timedelta(seconds=share.timeout_s),
+        backend="nccl",
+        use_local_synchronization=True,
+    )
+
+
+def _size(path: Path) -> int:
+    try:
+        return os.stat(path).st_size
+    except OSError as exc:
+        raise LoaderplugError(f"{path}: cannot read it: {exc.strerror or exc}") from exc
+
+
+# -- pagecache -------------------------------------------------------------------------
+
+
+def _by_page_cache(
+    runner: Runner, steps: _Steps, files: list[Path], final: list[Path]
+) -> Iterator[tuple[str, Any]]:
+    """Own tensors as they complete; at each own file done, a step: the files the other
+    ranks finished meanwhile are mapped from the page cache and yielded."""
+    index = {f.name: i for i, f in enumerate(files)}
+    events = runner.events()
+    try:
+        yield from _page_cache_steps(events, steps, index, final)
+    finally:
+        events.close()  # stopped early, or another rank failed: stop reading
+
+
+def _page_cache_steps(
+    events: Iterator[Any], steps: _Steps, index: dict[str, int], final: list[Path]
+) -> Iterator[tuple[str, Any]]:
+    done = False
+    while True:
+        news: tuple[str, Any] | None = None
+        if not done:
+            try:
+                for event in events:
+                    if isinstance(event, TensorReady):
+                        item = [(event.name, event.tensor)]
+                        del event
+                        yield item.pop()  # see loaderplug.jobs.runner.Runner._hand_over
+                        continue
+                    elif event.result.status == "failed":
+                        news = ("error", f"{event.result.path}: {event.result.reason}")
+                        break
+                    else:
+                        news = ("file", index[event.result.path])
+                        break
+                else:
+                    done = True
+            except LoaderplugError as exc:
+                news, done = ("error", str(exc)), True
+        said = steps.exchange(news)
+        for rank, step in enumerate(said):
+            if rank != steps.share.rank and step is not None and step[0] == "file":
+                yield from mapped_tensors(_header_of(final[step[1]]))
+        if all(step is None for step in said):
+            return
+
+
+def _header_of(path: Path) -> Header:
+    """The header of a file another rank just read (from the page cache)."""
+    with open(path, "rb", buffering=0) as f:
+        size = os.fstat(f.fileno()).st_size
+        n = header_length(str(path), f.read(LENGTH_BYTES), size)
+        return parse_header(str(path), f.read(n), size)
+
+
+# -- broadcast -------------------------------------------------------------------------
+
+
+def _by_broadcast(
+    runner: Runner, steps: _Steps, device: str, data_group: Any
+) -> Iterator[tuple[str, Any]]:
+    """A step per tensor: each rank offers its next own tensor, and every offered tensor
+    is broadcast from its owner to the others over ``data_group``."""
+    events = runner.events()
+    try:
+        yield from _broadcast_steps(_own_tensors(events), steps, device, data_group)
+    finally:
+        events.close()
+
+
+def _broadcast_steps(
+    tensors: Iterator[tuple[str, Any]], steps: _Steps, device: str, data_group: Any
+) -> Iterator[tuple[str, Any]]:
+    import torch
+
+    share = steps.share
+    done = False
+    while True:
+        offer: tuple[str, Any] | None = None
+        own = None
+        if not done:
+            try:
+                own = next(tensors, None)
+            except LoaderplugError as exc:
+                offer, done = ("error", str(exc)), True
+            else:
+                if own is None:
+                    done = True
+                else:
+                    name, tensor = own
+                    offer = (
+                        "tensor",
+                        (name, str(tensor.dtype).removeprefix("torch."), list(tensor.shape)),
+                    )
+        said = steps.exchange(offer)
+        for rank, step in enumerate(said):
+            if step is None or step[0] != "tensor":
+                continue
+            name, dtype_name, shape = step[1]
+            if rank == share.rank:
+                assert own is not None
+                tensor = own[1].contiguous()
+            else:
+                tensor = _receive_buffer(getattr(torch, dtype_name), shape, device)
+            raw = tensor.view(-1).view(torch.uint8) if tensor.numel() else tensor
+            if raw.numel():
+                steps.broadcast(raw, share.global_ranks[rank], data_group)
+            item = [(name, tensor)]
+            del raw, tensor
+            if rank == share.rank:
+                own = None
+            yield item.pop()  # see loaderplug.jobs.runner.Runner._hand_over
+        if all(step is None for step in said):
+            return
+
+
+def _receive_buffer(dtype: Any, shape: list[int], device: str) -> Any:
+    """Where a broadcast tensor lands: on the host, memory of its own that goes back to
+    the kernel the moment the tensor dies (the allocator's heap would keep it)."""
+    import torch
+
+    if device != "cpu":
+        return torch.empty(shape, dtype=dtype, device=device)
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    if nbytes == 0:  # reshaped: torch refuses to make some empty shapes directly
+        return torch.empty(0, dtype=dtype).reshape(shape)
+    memory = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return torch.frombuffer(memory, dtype=torch.uint8).view(dtype).reshape(shape)
+
+
+def _own_tensors(events: Iterator[Any]) -> Iterator[tuple[str, Any]]:
+    for event in events:
+        if isinstance(event, FileFinished):
+            if event.result.status == "failed":
+                raise LoaderplugError(f"{event.result.path}: {event.result.reason}")
+            continue
+        item = [(event.name, event.tensor)]
+        del event
+        yield item.pop()  # see loaderplug.jobs.runner.Runner._hand_over
+
+
+# -- steps -----------------------------------------------------------------------------
+
+
+# How long a failed collective waits to see whether a peer died, to name it.
+PEER_EXIT_S = 1.0
+
+
+class _Steps:
+    """The share's collectives, each waited for with an eye on the peers: a collective
+    on the share's (gloo) group is started asynchronously and waited for in short
+    slices, so a peer's death ends the wait at once, whatever gloo makes of it."""
+
+    # How long one slice of a wait is: the most a death can go unnoticed in a wait.
+    WAKE = datetime.timedelta(milliseconds=250)
+
+    def __init__(self, share: Share, watch: PeerWatch) -> None:
+        self.share = share
+        self.watch = watch
+        self.pending: Any = None  # a collective not waited out (a peer died during it)
+
+    def exchange(self, news: tuple[str, Any] | None) -> list[tuple[str, Any] | None]:
+        """Tell the other ranks ``news`` and hear theirs; an error anywhere (a rank's
+        error, a dead rank) is raised here, on every rank alike."""
+        import torch
+        import torch.distributed as dist
+
+        self.watch.check()
+        size, group = self.share.size, self.share.group
+        # As all_gather_object does, in two collectives (lengths, then the padded
+        # bytes), but asynchronous, so the wait can watch the peers.
+        payload = torch.frombuffer(bytearray(pickle.dumps(news)), dtype=torch.uint8)
+        length = torch.tensor([payload.numel()], dtype=torch.int64)
+        lengths = [torch.zeros(1, dtype=torch.int64) for _ in range(size)]
+        self._wait(dist.all_gather(lengths, length, group=group, async_op=True))
+        longest = max(int(n.item()) for n in lengths)
+        padded = torch.zeros(longest, dtype=torch.uint8)
+        padded[: payload.numel()] = payload
+        gathered = [torch.empty(longest, dtype=torch.uint8) for _ in range(size)]
+        self._wait(dist.all_gather(gathered, padded, group=group, async_op=True))
+        said: list[tuple[str, Any] | None] = [
+            pickle.loads(data[: int(n.item())].numpy().tobytes())
+            for data, n in zip(gathered, lengths, strict=True)
+        ]
+        for rank, step in enumerate(said):
+            if step is not None and step[0] == "error":
+                raise DistributedError(
+                    f"rank {self.share.global_ranks[rank]} of the shared load failed: {step[1]}"
+                )
+        return said
+
+    def broadcast(self, raw: Any, src: int, group: Any) -> None:
+        """``raw`` from global rank ``src`` to the others over ``group``: the share's
+        own, watched, or an NCCL group (blocking: NCCL's own watchdog guards it)."""
+        import torch.distributed as dist
+
+        if group is not self.share.group:
+            _collective(dist.broadcast, raw, src=src, group=group)
+            return
+        self._wait(dist.broadcast(raw, src=src, group=group, async_op=True))
+
+    def _wait(self, work: Any) -> None:
+        self.pending = work
+        while True:
+            self.watch.check()
+            try:
+                work.wait(timeout=self.WAKE)
+                self.pending = None
+                return
+            except RuntimeError as exc:
+                if not work.is_completed():
+                    continue  # only this slice of the wait ran out
+                # A peer's death closes its sockets a moment before it is seen to exit.
+                self.watch.check(wait_s=PEER_EXIT_S)
+                raise _stopped_answering(exc) from exc
+
+
+def _collective(op: Any, *args: Any, **kwargs: Any) -> Any:
+    """A collective; a rank that stopped answering (dead, or stuck past the timeout) is
+    a clear error rather than a backend's."""
+    try:
+        return op(*args, **kwargs)
+    except RuntimeError as exc:
+        if isinstance(exc, LoaderplugError):
+            raise
+        raise _stopped_answering(exc) from exc
+
+
+def _abandon(group: Any, work: Any) -> None:
+    """Keep ``group`` and its ``work`` alive for good. A collective left pending when a
+    peer died is not always failed by gloo (a receive from the dead rank can wait for
+    the whole timeout), and freeing its group joins gloo's thread, which waits for that
+    receive: the rank would hang where it raised, or at exit, for up to ten minutes.
+    Never freed, the group costs a thread and a few sockets until the process ends."""
+    import ctypes
+
+    for kept in (group, work):
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(kept))
+
+
+def _stopped_answering(exc: BaseException) -> DistributedError:
+    return DistributedError(
+        f"a rank of the shared load stopped answering ({exc}); it may have died, or be "
+        f"slower than LOADERPLUG_DISTRIBUTED_TIMEOUT_S allows"
+    )

@@ -1,0 +1,71 @@
+"""Streaming safetensors reader: tensors are yielded as soon as their last byte lands.
+
+Files are read by the range engine (range-parallel, under the IO policy of each file);
+a tensor sink per file (:mod:`loaderplug.tensors.sinks`) scatters every landed range into
+the tensors it covers and hands over each tensor the moment it is complete, while other
+ranges are still in flight. Each yielded tensor owns its memory: it is never a view into
+a reused buffer.
+
+With ``local_dir`` the same pass also hydrates: each range read from the mirror is
+written to a local temp file and fed to the tensor sink, so every byte is read from the
+volume once. It is a job like a hydrate (:mod:`loaderplug.jobs.runner`): under the local
+folder's lock, leftovers of a killed run swept, and a local copy that is current already
+read from local disk instead of the mirror.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, Any
+
+from loaderplug.errors import TransferFailed
+from loaderplug.jobs.runner import Runner
+from loaderplug.settings import Settings, from_env
+from loaderplug.tensors.load_plan import load_plan
+from loaderplug.tensors.ranks import share_for, shared_tensors
+
+if TYPE_CHECKING:
+    import torch
+
+
+def iter_tensors(
+    paths: Sequence[str | os.PathLike[str]],
+    device: str = "cpu",
+    *,
+    local_dir: str | os.PathLike[str] | None = None,
+    group: Any = None,
+    settings: Settings | None = None,
+    stats: dict[str, Any] | None = None,
+    **overrides: Any,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(name, tensor)`` from safetensors ``paths`` as each tensor completes.
+
+    With ``local_dir``, each file is also hydrated there (same name) in the same pass,
+    with every guarantee of a hydrate. With a ``torch.distributed`` process ``group`` of
+    more than one rank on this host (or without one, the initialised default group;
+    ``LOADERPLUG_DISTRIBUTED=off`` reads alone), the ranks split the files, each byte
+    read once per host, and every rank yields every tensor (see :mod:`loaderplug.tensors.ranks`).
+    A file that fails raises :class:`TransferFailed` naming it (in a group, a
+    :class:`DistributedError` on every rank); a tensor is only ever yielded whole.
+    ``stats``, if given, receives the job's report, the time to first tensor and how
+    each file was read.
+    """
+    job_settings = (settings or from_env()).replace(**overrides)
+    share = share_for(group, job_settings)
+    if share is not None:
+        yield from shared_tensors(paths, device, local_dir, job_settings, share, stats)
+        return
+    runner = Runner(load_plan(paths, device, job_settings, local_dir), job_settings)
+    yield from runner.tensors()
+    report = runner.report
+    assert report is not None
+    if stats is not None:
+        stats.update(report=report, first_tensor_s=runner.first_tensor_s, io=runner.io_modes)
+    if not report.ok:
+        raise TransferFailed(report)
+
+
+def load_file(path: str | os.PathLike[str], device: str = "cpu") -> dict[str, torch.Tensor]:
+    """A drop-in for ``safetensors.torch.load_file``: every tensor, owned, on ``device``."""
+    return dict(iter_tensors([path], device))

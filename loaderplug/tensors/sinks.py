@@ -1,0 +1,335 @@
+"""Tensor sinks: a file's landed ranges become tensors, each handed over once complete.
+
+:class:`TensorSink` assembles a file's bytes in host memory; :class:`DeviceTensorSink`
+sends each landed range to device memory through pinned staging (see
+:mod:`loaderplug.tensors.staging`). :func:`mapped_tensors` serves a file that is in memory already
+(tmpfs, a warm page cache) over a private mapping instead, as safetensors does.
+"""
+
+from __future__ import annotations
+
+import bisect
+import mmap
+import os
+import threading
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+from loaderplug.engine.executor import READ_PADDING
+from loaderplug.engine.retry import Cancelled
+from loaderplug.errors import FormatError, LoaderplugError
+from loaderplug.jobs.plan import Emit
+from loaderplug.tensors.budget import MemoryBudget
+from loaderplug.tensors.dtypes import DTYPES
+from loaderplug.tensors.header import Header, TensorInfo
+from loaderplug.tensors.page_release import PageReleaser
+from loaderplug.tensors.staging import StagingPool, as_bytes
+
+if TYPE_CHECKING:
+    import torch
+
+
+def torch_module() -> Any:
+    try:
+        import torch
+    except ImportError as exc:
+        raise LoaderplugError(
+            "reading tensors needs torch: pip install 'loaderplug[torch]'"
+        ) from exc
+    return torch
+
+
+def torch_dtype(path: str, name: str, dtype: str) -> torch.dtype:
+    known = DTYPES.get(dtype)
+    if known is None:
+        raise FormatError(f"{path}: tensor {name!r}: unknown dtype {dtype!r}")
+    if known.torch_name is None:
+        raise FormatError(f"{path}: tensor {name!r}: dtype {dtype} has no torch dtype")
+    found = getattr(torch_module(), known.torch_name, None)
+    if found is None:
+        raise FormatError(
+            f"{path}: tensor {name!r}: dtype {dtype} needs torch.{known.torch_name}, "
+            f"which this torch ({torch_module().__version__}) lacks"
+        )
+    return found  # type: ignore[no-any-return]
+
+
+def torch_dtypes(header: Header) -> dict[str, torch.dtype]:
+    """Each tensor's torch dtype; a dtype this torch lacks, or a shape torch cannot take
+    (see :attr:`TensorInfo.torch_shape`), fails before any read."""
+    dtypes = {}
+    for t in header.tensors:
+        dtypes[t.name] = torch_dtype(header.path, t.name, t.dtype)
+        try:
+            DTYPES[t.dtype].torch_shape(t.shape)  # as t.torch_shape will
+        except ValueError as exc:
+            raise FormatError(f"{header.path}: tensor {t.name!r}: {exc}") from exc
+    return dtypes
+
+
+def _empty(dtype: torch.dtype, t: TensorInfo) -> torch.Tensor:
+    """A tensor of no elements; a view, as torch.empty(shape) refuses some such shapes."""
+    empty = torch_module().empty(0, dtype=dtype)
+    return empty.reshape(t.torch_shape)  # type: ignore[no-any-return]
+
+
+class _Coverage:
+    """Counts the bytes of each non-empty tensor still to land; thread-safe."""
+
+    def __init__(self, header: Header) -> None:
+        self.tensors = [t for t in header.tensors if t.nbytes]
+        self._starts = [t.begin for t in self.tensors]
+        self._left = {t.name: t.nbytes for t in self.tensors}
+        self._lock = threading.Lock()
+        self.aborted = False
+
+    def pieces(self, offset: int, end: int) -> Iterator[tuple[TensorInfo, int, int]]:
+        """``(tensor, begin, end)`` for each tensor overlapping ``[offset, end)``."""
+        first = max(0, bisect.bisect_right(self._starts, offset) - 1)
+        for t in self.tensors[first:]:
+            if t.begin >= end:
+                return
+            begin, stop = max(offset, t.begin), min(end, t.end)
+            if stop > begin:
+                yield t, begin, stop
+
+    def landed(self, offset: int, end: int) -> list[TensorInfo]:
+        """Record ``[offset, end)`` as landed; returns the tensors it completed (none once
+        aborted, so a failed file never hands over a tensor)."""
+        done = []
+        with self._lock:
+            if self.aborted:
+                return []
+            for t, begin, stop in self.pieces(offset, end):
+                self._left[t.name] -= stop - begin
+                if self._left[t.name] == 0:
+                    done.append(t)
+        return done
+
+    def check_complete(self, path: str) -> None:
+        with self._lock:
+            missing = [name for name, left in self._left.items() if left]
+        if missing:
+            raise FormatError(f"{path}: tensors never completed: {missing[:5]}")
+
+    def abort(self) -> None:
+        with self._lock:
+            self.aborted = True
+
+
+class TensorSink:
+    """Assembles a file's tensors in host memory; emits each once complete, and gives its
+    memory back when its consumer drops it.
+
+    The file's bytes land in one page-aligned anonymous mapping per file, at their file
+    offsets: the engine reads ranges straight into it (:meth:`place`) or, when it staged
+    them elsewhere, :meth:`write` copies them in. A finished tensor is a view of that
+    mapping, which is never reused; its pages are returned to the kernel once the
+    tensor's storage dies (see :mod:`loaderplug.tensors.page_release`), so a consumer
+    that drops each tensor holds a window of the file, never all of it. With a ``budget`` the sink holds
+    each span there from its admission (:meth:`admit`) until the runner hands the tensor
+    over (see :mod:`loaderplug.tensors.budget`); the file's other bytes until it is done.
+    """
+
+    def __init__(
+        self, header: Header, device: str, emit: Emit, budget: MemoryBudget | None = None
+    ) -> None:
+        self.header = header
+        self.device = device
+        self.emit = emit
+        self.budget = budget
+        self._dtypes = torch_dtypes(header)
+        self._coverage = _Coverage(header)
+        self._begins = [t.begin for t in self._coverage.tensors]
+        self._mapping: mmap.mmap | None = None
+        self._pages: PageReleaser | None = None
+        self._view = memoryview(b"")
+        self._lock = threading.Lock()
+        self._held = 0  # bytes this file holds in the budget
+        self._emitted = 0  # bytes of tensors emitted: the runner releases them at hand-over
+        self._closed = False
+
+    def prepare(self) -> None:
+        # Room past the end for the last range's read, padded to the O_DIRECT alignment.
+        size = self.header.size + READ_PADDING
+        # Private: a page given back (MADV_DONTNEED) is freed, not kept by a shared object.
+        self._mapping = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        self._pages = PageReleaser(self._mapping, self.header, size)
+        self._view = memoryview(self._mapping)
+        for t in self.header.tensors:
+            if not t.nbytes:
+                self._deliver(t)
+
+    # -- the memory budget ---------------------------------------------------------
+
+    def continues_a_tensor(self, offset: int) -> bool:
+        """Whether a tensor begun before ``offset`` runs on past it."""
+        i = bisect.bisect_right(self._begins, offset) - 1
+        return i >= 0 and self._coverage.tensors[i].begin < offset < self._coverage.tensors[i].end
+
+    def admit(self, offset: int, length: int, cancel: threading.Event) -> None:
+        """Hold ``length`` bytes at ``offset`` in the budget before they are read."""
+        if self.budget is None:
+            return
+        with self._lock:
+            if self._closed:
+                raise Cancelled
+        self.budget.admit(length, continuation=self.continues_a_tensor(offset), cancel=cancel)
+        with self._lock:
+            self._held += length
+            closed = self._closed
+        if closed:  # aborted meanwhile: what it would have held is not coming
+            self._release(length)
+
+    def _release(self, nbytes: int) -> None:
+        if self.budget is not None:
+            self.budget.release(nbytes)
+
+    # -- landing ---------------------------------------------------------------------
+
+    def place(self, offset: int, length: int) -> memoryview:
+        return self._view[offset : offset + length]
+
+    def write(self, data: memoryview, offset: int) -> None:
+        if data.obj is not self._mapping:  # staged elsewhere: copy it in
+            self._view[offset : offset + len(data)] = data
+        for t in self._coverage.landed(offset, offset + len(data)):
+            self._deliver(t)
+
+    def _deliver(self, t: TensorInfo) -> None:
+        torch = torch_module()
+        dtype = self._dtypes[t.name]
+        if not t.nbytes:
+            self.emit(t.name, _empty(dtype, t))
+            return
+        assert self._pages is not None
+        with self._lock:
+            self._emitted += t.nbytes
+        handle = self._pages.tensor(t)
+        tensor = torch.frombuffer(handle, dtype=torch.uint8).view(dtype).reshape(t.torch_shape)
+        del handle  # the tensor's storage holds it now, and lets go when it dies
+        if self.device != "cpu":  # a device without a staging backend
+            tensor = tensor.to(self.device)
+        self.emit(t.name, tensor)
+
+    def commit(self) -> None:
+        self._coverage.check_complete(self.header.path)
+        self._close()
+
+    def abort(self) -> None:
+        self._coverage.abort()
+        self._close()
+
+    def _close(self) -> None:
+        """The file is done: what it held for its own bytes (header, gaps) and for
+        tensors it will never emit goes back; emitted ones go when handed over."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            unclaimed = self._held - self._emitted
+        if unclaimed > 0:
+            self._release(unclaimed)
+        if self._pages is not None:
+            self._pages.release_rest()
+
+
+class DeviceTensorSink:
+    """Sends each landed range to device memory through pinned staging (see
+    :mod:`loaderplug.tensors.staging`); emits a tensor once its copies have completed.
+
+    Host memory stays bounded by the staging pool: the file is never assembled on the
+    host. Each tensor gets device memory of its own when the file is prepared.
+    """
+
+    def __init__(self, header: Header, pool: StagingPool, emit: Emit) -> None:
+        self.header = header
+        self.pool = pool
+        self.emit = emit
+        self._dtypes = torch_dtypes(header)
+        self._coverage = _Coverage(header)
+        self._device: dict[str, torch.Tensor] = {}
+        self._lock = threading.Lock()
+        self._aborted = False
+
+    def prepare(self) -> None:
+        for t in self._coverage.tensors:
+            self._device[t.name] = self.pool.backend.empty(t.nbytes)
+        for t in self.header.tensors:
+            if not t.nbytes:
+                self._deliver(t, self.pool.backend.empty(0))
+
+    def write(self, data: memoryview, offset: int) -> None:
+        step = self.pool.size
+        for start in range(0, len(data), step):
+            self._stage(data[start : start + step], offset + start)
+
+    def _stage(self, data: memoryview, offset: int) -> None:
+        end = offset + len(data)
+        buffer = self.pool.take()
+        try:
+            as_bytes(buffer)[: len(data)] = data
+            with self._lock:  # abort() may be dropping the device memory
+                if self._aborted:
+                    return
+                for t, begin, stop in self._coverage.pieces(offset, end):
+                    self.pool.backend.copy_async(
+                        self._device[t.name][begin - t.begin : stop - t.begin],
+                        buffer[begin - offset : stop - offset],
+                    )
+        finally:
+            self.pool.give(buffer, self.pool.backend.record())
+        done = self._coverage.landed(offset, end)
+        if not done:
+            return
+        # Other writers may have queued pieces of these tensors after this writer's
+        # event; an event recorded now follows every copy queued before they reported
+        # their pieces landed (one stream runs copies in order).
+        self.pool.backend.record().synchronize()
+        with self._lock:
+            finished = [(t, self._device.pop(t.name, None)) for t in done]
+        for t, raw in finished:
+            if raw is not None:
+                self._deliver(t, raw)
+
+    def _deliver(self, t: TensorInfo, raw: torch.Tensor) -> None:
+        self.emit(t.name, raw.view(self._dtypes[t.name]).reshape(t.torch_shape))
+
+    def commit(self) -> None:
+        self._coverage.check_complete(self.header.path)
+
+    def abort(self) -> None:
+        self._coverage.abort()
+        with self._lock:
+            self._aborted = True
+            # Copies already queued finish before their device memory can be reused.
+            self.pool.backend.record().synchronize()
+            self._device.clear()
+
+
+def mapped_tensors(header: Header) -> Iterator[tuple[str, torch.Tensor]]:
+    """Tensors over a private (copy-on-write) mapping of the file, as safetensors does:
+    they share the page cache's pages until written to, and each gives its pages back
+    when it dies (see :mod:`loaderplug.tensors.page_release`)."""
+    torch = torch_module()
+    with open(header.path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        mapping = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY) if size else None
+    dtypes = torch_dtypes(header)
+    if mapping is None:
+        for t in header.tensors:
+            yield t.name, _empty(dtypes[t.name], t)
+        return
+    releaser = PageReleaser(mapping, header, size)
+    try:
+        for t in header.tensors:
+            if not t.nbytes:
+                yield t.name, _empty(dtypes[t.name], t)
+                continue
+            handle = releaser.tensor(t)
+            item = [(t.name, torch.frombuffer(handle, dtype=torch.uint8))]
+            item[0] = (t.name, item[0][1].view(dtypes[t.name]).reshape(t.torch_shape))
+            del handle
+            yield item.pop()  # see loaderplug.jobs.runner.Runner._hand_over
+    finally:
+        releaser.release_rest()
