@@ -3,7 +3,7 @@
 A ~1 GiB Llama repo (4 safetensors shards, config, tokenizer, the index) on the local Hub
 server (``loaderplug/testing/hub.py``, plain HTTP on loopback), its weight files announced as
 Xet-backed as on the Hub. Before timing, loaderplug's ``snapshot_download`` runs once
-with the volume's backing folder as ``LOADERPLUG_VOLUME``: it downloads the repo and
+with the volume's backing folder as ``LOADERPLUG_MIRROR``: it downloads the repo and
 copies it to the mirror (``hub/models--org--name/``), which is then laid out as
 huggingface_hub >= 2.x lays out a Xet-era ``HF_HOME`` (the weights in the shared store
 ``hub/blobs/<2 hex>/<xet hash>``, the repo's blobs links into it; ``--layout per-repo``
@@ -12,7 +12,7 @@ round:
 
 * worker 1: Hub download     ``huggingface_hub.snapshot_download(repo, cache_dir=<empty>)``
                              from the server: the plain client
-* worker 2: loaderplug ...   ``LOADERPLUG_VOLUME=<mount>``, loaderplug's
+* worker 2: loaderplug ...   ``LOADERPLUG_MIRROR=<mount>``, loaderplug's
                              ``snapshot_download(repo, cache_dir=<empty>)``: hydrated from
                              the mirror, no request to the server (checked)
 * huggingface_hub, mirror    ``HF_HUB_CACHE=<mount>/hub HF_HUB_OFFLINE=1``,
@@ -24,7 +24,7 @@ round:
 * transformers, stock        ``AutoTokenizer`` and ``AutoModelForCausalLM.from_pretrained
                              (repo, cache_dir=<empty>)`` downloading from the server
 * transformers, loaderplug   the same after ``loaderplug...huggingface_hub.install()``
-                             with ``LOADERPLUG_VOLUME=<mount>``: served from the mirror
+                             with ``LOADERPLUG_MIRROR=<mount>``: served from the mirror
 
 ``call s`` is the ``snapshot_download`` call; ``usable s`` adds one sequential read of
 every file of the returned snapshot in 16 MiB blocks, one file after another (what a
@@ -264,7 +264,7 @@ def bench(args: argparse.Namespace) -> None:
         # Fill the mirror once, straight into the volume's backing folder (no throttle).
         backing = Path(ram) / "backing"
         backing.mkdir()
-        fill = run(LOADERPLUG, work / "fill-cache", {"LOADERPLUG_VOLUME": str(backing)})
+        fill = run(LOADERPLUG, work / "fill-cache", {"LOADERPLUG_MIRROR": str(backing)})
         assert fill["file_requests"] > 0, f"the fill did not download: {fill}"
         shutil.rmtree(work / "fill-cache")
         check_mirror(backing / "hub" / "models--bench-org--bench-model", sha, src, names)
@@ -278,13 +278,13 @@ def bench(args: argparse.Namespace) -> None:
         mnt.mkdir()
         contenders: dict[str, tuple[Path | None, dict[str, str], Path]] = {
             HUB: (work / "cache-hub", {}, work / "cache-hub"),
-            LOADERPLUG: (work / "cache-lp", {"LOADERPLUG_VOLUME": str(mnt)}, work / "cache-lp"),
+            LOADERPLUG: (work / "cache-lp", {"LOADERPLUG_MIRROR": str(mnt)}, work / "cache-lp"),
             MOUNT: (None, {"HF_HUB_CACHE": str(mnt / "hub"), "HF_HUB_OFFLINE": "1"}, mnt),
             PLAIN: (work / "cache-plain", {"BENCH_MIRROR": str(mnt / "hub")}, work / "cache-plain"),
             TF_HUB: (work / "cache-tf-hub", {}, work / "cache-tf-hub"),
             TF_LOADERPLUG: (
                 work / "cache-tf-lp",
-                {"LOADERPLUG_VOLUME": str(mnt)},
+                {"LOADERPLUG_MIRROR": str(mnt)},
                 work / "cache-tf-lp",
             ),
         }
@@ -328,7 +328,7 @@ def bench(args: argparse.Namespace) -> None:
         f"the FUSE test volume over a memory-backed folder, 40 MiB/s per stream, 320 MiB/s "
         f"per mount, 2 ms per request, direct_io; local caches on local disk, empty at the "
         f"start of each run. Worker 1: `huggingface_hub.snapshot_download` from the server. "
-        f"Worker 2: loaderplug's `snapshot_download` with `LOADERPLUG_VOLUME` on the mount. "
+        f"Worker 2: loaderplug's `snapshot_download` with `LOADERPLUG_MIRROR` on the mount. "
         f"Mirror as cache: `huggingface_hub.snapshot_download` with `HF_HUB_CACHE` on the "
         f"mount and `HF_HUB_OFFLINE=1`. {rounds} round(s), alternating; wall time inside "
         f"each process (imports excluded): call s is the snapshot_download call, usable s "

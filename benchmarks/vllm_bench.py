@@ -261,7 +261,7 @@ def hub_section(work: Path, backing: Path, rounds: int) -> tuple[str, dict[str, 
                         run = run_child(Path(HUB_REPO), "safetensors", env)
                     else:
                         copy_s = 0.0
-                        env["LOADERPLUG_VOLUME"] = str(mnt)
+                        env["LOADERPLUG_MIRROR"] = str(mnt)
                         run = run_child(Path(HUB_REPO), "volcache", env)
                 run = finish(run, copy_s)
                 run["file_requests"] = server.file_requests() - seen

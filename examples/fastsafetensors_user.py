@@ -1,6 +1,6 @@
 """A fastsafetensors user's script, reading through loaderplug.
 
-    LOADERPLUG_VOLUME=/mnt/volume python examples/fastsafetensors_user.py \
+    LOADERPLUG_MIRROR=/mnt/volume python examples/fastsafetensors_user.py \
         /mnt/volume/models/llama/*.safetensors [--device cuda:0]
 
 The only change from a plain fastsafetensors script is the import (and install()): the

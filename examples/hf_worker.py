@@ -1,6 +1,6 @@
 """A worker that gets its model through huggingface_hub, with loaderplug in the path.
 
-    LOADERPLUG_VOLUME=/mnt/volume python examples/hf_worker.py org/model [--allow '*.json']
+    LOADERPLUG_MIRROR=/mnt/volume python examples/hf_worker.py org/model [--allow '*.json']
 
 The first worker on a fleet downloads from the Hub as usual, and the download is copied
 to <volume>/hub/ in the Hub's cache layout. Every later worker hydrates the model from
@@ -15,6 +15,7 @@ import argparse
 import time
 
 import huggingface_hub
+
 from loaderplug.integrations import huggingface_hub as lp_hub
 
 

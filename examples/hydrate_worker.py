@@ -1,6 +1,6 @@
 """A worker's cold start: hydrate the model from the volume mirror, then load it.
 
-    LOADERPLUG_VOLUME=/mnt/volume python examples/hydrate_worker.py acme/llama /local/models
+    LOADERPLUG_MIRROR=/mnt/volume python examples/hydrate_worker.py acme/llama /local/models
 
 The mirror holds models under <volume>/models/<name> (filled by `loaderplug sync`).
 Several workers on one host may run this at once: they share one copy through the
@@ -20,7 +20,7 @@ def main(name: str, local_root: str) -> Path:
     request = loaderplug.MirrorRequest("folder", name)
     mirror = Plugins(loaderplug.from_env()).find_mirror(request)
     if mirror is None:
-        raise SystemExit(f"{name} is not on the mirror; set LOADERPLUG_VOLUME or sync it first")
+        raise SystemExit(f"{name} is not on the mirror; set LOADERPLUG_MIRROR or sync it first")
     local = Path(local_root) / name
     try:
         report = loaderplug.hydrate(mirror, local)

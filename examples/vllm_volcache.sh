@@ -8,7 +8,7 @@
 #             [vllm] extra there, it pulls the CUDA build)
 #
 # What it reads:
-#   LOADERPLUG_VOLUME      the mirror's root: <volume>/models/<name>, or the Hub layout
+#   LOADERPLUG_MIRROR      the mirror's root: <volume>/models/<name>, or the Hub layout
 #                          <volume>/hub/models--org--name (a repo id as --model)
 #   LOADERPLUG_LOCAL_DIR   where local copies go (default ~/.cache/loaderplug/models)
 #   LOADERPLUG_HYDRATE_WORKERS, LOADERPLUG_BYTES_IN_FLIGHT, LOADERPLUG_CHUNK_BYTES,
@@ -18,7 +18,7 @@
 set -euo pipefail
 
 MODEL=${1:-/mnt/volume/models/llama}
-export LOADERPLUG_VOLUME=${LOADERPLUG_VOLUME:-/mnt/volume}
+export LOADERPLUG_MIRROR=${LOADERPLUG_MIRROR:-/mnt/volume}
 export LOADERPLUG_LOCAL_DIR=${LOADERPLUG_LOCAL_DIR:-/local/nvme/models}
 
 if python -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)'; then

@@ -189,7 +189,9 @@ class Settings:
     disable_plugins: tuple[str, ...] = _setting(
         "names", (), "Plugins (entry-point or registered names) that must not load."
     )
-    volume: str | None = _setting("path", None, "Root of the volume mirror.")
+    mirror: str | None = _setting(
+        "path", None, "Root of the mirror on the volume (was LOADERPLUG_VOLUME, still read)."
+    )
     local_dir: str | None = _setting(
         "path",
         None,
@@ -274,6 +276,12 @@ class Settings:
         cache = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
         return Path(cache) / "loaderplug" / "models"
 
+    @property
+    def volume(self) -> str | None:
+        """Deprecated: :attr:`mirror`."""
+        _warn_renamed("volume", "mirror", stacklevel=3)
+        return self.mirror
+
     def replace(self, **overrides: Any) -> Settings:
         """A copy with ``overrides`` (by field name) applied and checked."""
         values, origins = _parse_overrides(overrides)
@@ -287,6 +295,32 @@ REGISTRY: tuple[Variable, ...] = tuple(
 )
 BY_FIELD: dict[str, Variable] = {v.field: v for v in REGISTRY}
 BY_NAME: dict[str, Variable] = {v.name: v for v in REGISTRY}
+# Settings renamed (old field name: new one). An old name keeps working, with a
+# DeprecationWarning, for one release after the rename: as a variable, a keyword of
+# from_env or Settings.replace, and an attribute.
+RENAMED: dict[str, str] = {"volume": "mirror"}
+
+
+def _warn_renamed(old: str, new: str, stacklevel: int) -> None:
+    warnings.warn(
+        f"the loaderplug setting {old} ({PREFIX}{old.upper()}) is now {new} "
+        f"({PREFIX}{new.upper()}); the old name goes in the next release",
+        DeprecationWarning,
+        stacklevel=stacklevel,
+    )
+
+
+def _renamed_in(environ: Mapping[str, str]) -> Mapping[str, str]:
+    """``environ`` with each renamed variable read under its new name (unless set)."""
+    renamed = dict(environ)
+    for old, new in RENAMED.items():
+        raw = environ.get(PREFIX + old.upper())
+        if raw is None:
+            continue
+        _warn_renamed(old, new, stacklevel=4)
+        renamed.setdefault(PREFIX + new.upper(), raw)
+    return renamed
+
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
@@ -383,7 +417,8 @@ def parse(var: Variable, raw: object) -> Any:
 
 def _warn_unknown(environ: Mapping[str, str]) -> None:
     for name in environ:
-        if name.startswith(PREFIX) and name not in BY_NAME:
+        old = name.removeprefix(PREFIX).lower()
+        if name.startswith(PREFIX) and name not in BY_NAME and old not in RENAMED:
             close = difflib.get_close_matches(name, list(BY_NAME), n=1, cutoff=0.6)
             hint = f"; did you mean {close[0]}?" if close else ""
             warnings.warn(
@@ -397,6 +432,9 @@ def _parse_overrides(overrides: Mapping[str, Any]) -> tuple[dict[str, Any], dict
     values: dict[str, Any] = {}
     origins: dict[str, Origin] = {}
     for key, raw in overrides.items():
+        if key in RENAMED:
+            _warn_renamed(key, RENAMED[key], stacklevel=4)
+            key = RENAMED[key]
         if key not in BY_FIELD:
             close = difflib.get_close_matches(key, list(BY_FIELD), n=1)
             hint = f"; did you mean {close[0]!r}?" if close else ""
@@ -415,7 +453,7 @@ def from_env(environ: Mapping[str, str] | None = None, **overrides: Any) -> Sett
     ``overrides`` are field names (``hydrate_workers=4``); ``None`` leaves a field as the
     environment set it, so callers can pass optional CLI flags straight through.
     """
-    environ = os.environ if environ is None else environ
+    environ = _renamed_in(os.environ if environ is None else environ)
     _warn_unknown(environ)
     values: dict[str, Any] = {}
     origins: dict[str, Origin] = {}

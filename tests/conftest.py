@@ -193,10 +193,10 @@ ENOMEM, EIO, EAGAIN, EACCES = errno.ENOMEM, errno.EIO, errno.EAGAIN, errno.EACCE
 
 @pytest.fixture
 def volume(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """An empty mirror root as ``LOADERPLUG_VOLUME`` (its Hub repos go under ``hub/``)."""
+    """An empty mirror root as ``LOADERPLUG_MIRROR`` (its Hub repos go under ``hub/``)."""
     vol = tmp_path / "volume"
     vol.mkdir()
-    monkeypatch.setenv("LOADERPLUG_VOLUME", str(vol))
+    monkeypatch.setenv("LOADERPLUG_MIRROR", str(vol))
     monkeypatch.setenv("LOADERPLUG_FSYNC", "0")
     monkeypatch.setenv("LOADERPLUG_PROGRESS", "0")
     monkeypatch.setenv("LOADERPLUG_HYDRATE_WORKERS", "3")

@@ -20,9 +20,9 @@ pytest.importorskip("huggingface_hub")
 import huggingface_hub
 from huggingface_hub import _snapshot_download, constants
 from huggingface_hub.errors import LocalEntryNotFoundError
-from loaderplug.integrations import huggingface_hub as lp_hub
 
 from loaderplug import hookimpl
+from loaderplug.integrations import huggingface_hub as lp_hub
 from loaderplug.testing.hub import HubServer
 from loaderplug.types import MirrorRequest
 
@@ -80,7 +80,7 @@ def test_the_second_worker_hydrates_with_no_request_and_then_works_offline(
     assert path == str(cache2.resolve() / FOLDER / "snapshots" / sha)
     assert snapshot_bytes(path) == FILES
     # The layout is the Hub client's own: it finds the snapshot offline, by branch too.
-    monkeypatch.setenv("LOADERPLUG_VOLUME", str(tmp_path / "gone"))
+    monkeypatch.setenv("LOADERPLUG_MIRROR", str(tmp_path / "gone"))
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     assert original(REPO, cache_dir=cache2) == path
     assert original(REPO, cache_dir=cache2, local_files_only=True, revision=sha) == path

@@ -24,9 +24,9 @@ import huggingface_hub
 import torch
 import transformers
 from huggingface_hub import constants
+
 from loaderplug.integrations import hub_commits
 from loaderplug.integrations import huggingface_hub as lp_hub
-
 from loaderplug.testing.hub import HubServer, share_blobs
 from loaderplug.testing.tiny_llama import write_tiny_llama
 
@@ -329,7 +329,7 @@ def test_every_parameter_reaches_the_original_as_given(
 
     recording.__signature__ = signature  # type: ignore[attr-defined]
     recording.__name__ = name
-    monkeypatch.setenv("LOADERPLUG_VOLUME", str(tmp_path / "volume"))  # an empty mirror
+    monkeypatch.setenv("LOADERPLUG_MIRROR", str(tmp_path / "volume"))  # an empty mirror
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # nothing here may reach a Hub
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     wrapper_ = lp_hub._wrap(recording, file_call=name == "hf_hub_download")

@@ -187,7 +187,7 @@ def hub_download_from_the_mirror(
     from loaderplug.integrations import hub_commits
     from loaderplug.integrations import huggingface_hub as lp_hub
 
-    monkeypatch.setenv("LOADERPLUG_VOLUME", str(mirror))
+    monkeypatch.setenv("LOADERPLUG_MIRROR", str(mirror))
     monkeypatch.setenv("LOADERPLUG_FSYNC", "0")
     hub_commits.forget_pins()
     hub.reset_counts()

@@ -7,7 +7,6 @@ import sys
 import threading
 import types
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -25,7 +24,7 @@ def test_loaderplug_find_mirror(tmp_path: Path, register_plugin) -> None:
     (tmp_path / "vol/models/acme/tiny").mkdir(parents=True)
     # The built-in answers from the job's settings (a loader's own volume option too),
     # not from the environment.
-    settings = from_env({}, volume=str(tmp_path / "vol"))
+    settings = from_env({}, mirror=str(tmp_path / "vol"))
     assert Plugins(settings).find_mirror(request) == tmp_path / "vol/models/acme/tiny"
 
     class Elsewhere:
@@ -267,10 +266,11 @@ def run_every_job(model: Path, tmp_path: Path) -> list[TransferReport]:
     shards = sorted(model.glob("*.safetensors"))
     want = {k: v for s in shards for k, v in reference(str(s)).items()}
     for local_dir in (None, tmp_path / "onepass"):
-        stats: dict[str, Any] = {}
-        got = dict(iter_tensors(shards, local_dir=local_dir, stats=stats, **FAST))
+        load = iter_tensors(shards, local_dir=local_dir, **FAST)
+        got = dict(load)
         assert got.keys() == want.keys() and all(same(got[k], want[k]) for k in want)
-        reports.append(stats["report"])
+        assert load.report is not None
+        reports.append(load.report)
     assert all((tmp_path / "onepass" / s.name).read_bytes() == s.read_bytes() for s in shards)
     return reports
 

@@ -101,13 +101,13 @@ def test_one_pass_hydrates_and_loads_with_retried_faults(
     shards: list[Path], tmp_path: Path, inject
 ) -> None:
     inject(errno.EIO, match="model-1", times=3, at_offset=8192)  # past the header
-    stats: dict[str, object] = {}
-    got = dict(iter_tensors(shards, local_dir=tmp_path / "local", stats=stats, **FAST))
+    load = iter_tensors(shards, local_dir=tmp_path / "local", **FAST)
+    got = dict(load)
     expected = reference(shards)
     assert all(same(got[k], v) for k, v in expected.items())
     for p in shards:
         assert (tmp_path / "local" / p.name).read_bytes() == p.read_bytes()
-    assert stats["report"].retries == 3  # type: ignore[attr-defined]
+    assert load.report is not None and load.report.retries == 3
 
 
 def test_one_pass_failure_names_the_file_and_never_yields_a_partial_tensor(
@@ -138,9 +138,9 @@ def test_a_corrupt_header_is_a_format_error(tmp_path: Path) -> None:
 def test_a_file_in_the_page_cache_is_mapped_not_copied(shards: list[Path]) -> None:
     for p in shards:
         p.read_bytes()  # warm
-    stats: dict[str, object] = {}
-    got = dict(iter_tensors(shards, stats=stats, progress=False))
-    assert all(mode.startswith("mapped") for mode in stats["io"].values())  # type: ignore[attr-defined]
+    load = iter_tensors(shards, progress=False)
+    got = dict(load)
+    assert all(mode.startswith("mapped") for mode in load.io_modes.values())
     expected = reference(shards)
     assert all(same(got[k], v) for k, v in expected.items())
 
@@ -150,9 +150,9 @@ def test_load_file_streams_a_cold_file_read_direct(shards: list[Path]) -> None:
     policy = io_policy(str(shards[0]))
     if not policy.direct:  # tmpfs, say: its files are in memory, and mapped
         pytest.skip(f"{policy.fs_type} here is not read direct: {policy.reason}")
-    stats: dict[str, object] = {}
-    got = dict(iter_tensors(shards[:1], stats=stats, progress=False))
-    mode = stats["io"][str(shards[0])]  # type: ignore[index]
+    load = iter_tensors(shards[:1], progress=False)
+    got = dict(load)
+    mode = load.io_modes[str(shards[0])]
     assert not mode.startswith("mapped"), mode
     assert all(same(got[k], v) for k, v in reference(shards[:1]).items())
 
@@ -173,7 +173,7 @@ def test_a_tail_shorter_than_the_alignment_reads_whole(
 
     plugin = Wide()
     register_plugin(plugin)
-    stats: dict[str, object] = {}
-    got = dict(iter_tensors([path], stats=stats, chunk_bytes="64K", split_threshold_bytes=0))
-    assert stats["io"][str(path)].startswith("direct")  # type: ignore[index]
+    load = iter_tensors([path], chunk_bytes="64K", split_threshold_bytes=0)
+    got = dict(load)
+    assert load.io_modes[str(path)].startswith("direct")
     assert all(same(got[k], v) for k, v in safetensors_torch.load_file(str(path)).items())

@@ -111,14 +111,14 @@ def test_a_one_pass_over_a_current_local_copy_reads_nothing_from_the_mirror(
         shards = sorted(vol.mountpoint.glob("*.safetensors"))
         first = dict(iter_tensors(shards, local_dir=local, **FAST))
         vol.reset_stats()
-        stats: dict[str, object] = {}
-        second = dict(iter_tensors(shards, local_dir=local, stats=stats, **FAST))
+        load = iter_tensors(shards, local_dir=local, **FAST)
+        second = dict(load)
         served = vol.stats()
     assert served["bytes_read"] == 0 and served["opens"] == 0
     want = reference(sorted(backing.glob("*.safetensors")))
     assert all(same(first[k], want[k]) and same(second[k], want[k]) for k in want)
-    report = stats["report"]
-    assert {r.status for r in report.results} == {"loaded"}  # type: ignore[attr-defined]
+    assert load.report is not None
+    assert {r.status for r in load.report.results} == {"loaded"}
 
 
 def test_header_read_retries_count_in_the_report(shards: list[Path], inject) -> None:
@@ -126,10 +126,10 @@ def test_header_read_retries_count_in_the_report(shards: list[Path], inject) -> 
 
     # The first read of every file is its header's: two of them fail, then succeed.
     plugin = inject(errno.EAGAIN, match="", times=2)
-    stats: dict[str, object] = {}
-    got = dict(iter_tensors(shards, stats=stats, direct_io="off", **FAST))
+    load = iter_tensors(shards, direct_io="off", **FAST)
+    got = dict(load)
     assert got and plugin.injected == 2
-    assert stats["report"].retries == 2  # type: ignore[attr-defined]
+    assert load.report is not None and load.report.retries == 2
 
 
 def test_each_reader_opens_a_source_once_per_file_it_reads(

@@ -139,3 +139,19 @@ def test_settings_are_frozen() -> None:
 def test_disable_plugins_is_a_list_of_names() -> None:
     s = from_env({"LOADERPLUG_DISABLE_PLUGINS": "a, b,,c"})
     assert s.disable_plugins == ("a", "b", "c")
+
+
+def test_a_renamed_setting_keeps_its_old_name_for_a_release() -> None:
+    with pytest.warns(DeprecationWarning, match="LOADERPLUG_VOLUME.*now mirror"):
+        old_variable = from_env({"LOADERPLUG_VOLUME": "/mnt/old"})
+    assert old_variable.mirror == "/mnt/old"
+    with pytest.warns(DeprecationWarning):  # the new name wins over the old one
+        both = from_env({"LOADERPLUG_VOLUME": "/mnt/old", "LOADERPLUG_MIRROR": "/mnt/new"})
+    assert both.mirror == "/mnt/new"
+    with pytest.warns(DeprecationWarning, match="now mirror"):
+        old_keyword = from_env({}, volume="/mnt/kw")
+    assert old_keyword.mirror == "/mnt/kw"
+    with pytest.warns(DeprecationWarning, match="now mirror"):
+        assert old_keyword.volume == "/mnt/kw"
+    with pytest.warns(DeprecationWarning):
+        assert from_env({}).replace(volume="/mnt/r").mirror == "/mnt/r"

@@ -74,7 +74,7 @@ class LateBackend:
 def late(monkeypatch: pytest.MonkeyPatch) -> LateBackend:
     backend = LateBackend()
     monkeypatch.setattr(
-        "loaderplug.tensors.load_plan.backend_for", lambda d: backend if d == "late" else None
+        "loaderplug.tensors.delivery.backend_for", lambda d: backend if d == "late" else None
     )
     # Two 4 KiB staging buffers for the whole job: each is reused many times over.
     monkeypatch.setattr(staging, "STAGING_BUFFER_BYTES", 4096)

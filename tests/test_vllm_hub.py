@@ -46,7 +46,7 @@ def run_vllm(
         "HOME": str(home),
         "PYTHONPATH": str(REPO_ROOT),
         "TMPDIR": str(home),
-        "LOADERPLUG_VOLUME": str(volume),
+        "LOADERPLUG_MIRROR": str(volume),
         "LOADERPLUG_LOCAL_DIR": str(home / "loaderplug"),
         "LOADERPLUG_PROGRESS": "0",
         **client_env(hub.endpoint, home),

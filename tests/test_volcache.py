@@ -9,9 +9,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from loaderplug.integrations import volcache
 
 from loaderplug.errors import SettingsError
+from loaderplug.integrations import volcache
 from loaderplug.settings import from_env
 from loaderplug.testing.hub import HubServer
 from loaderplug.testing.volume import TestVolume, VolumeProfile, mounted
@@ -73,7 +73,7 @@ def test_a_folder_under_the_volume_is_hydrated_once_then_read_locally(tmp_path: 
     model = volume / "models" / "tiny"
     model.mkdir(parents=True)
     shards = write_shards(model)
-    settings = from_env(volume=str(volume), local_dir=str(tmp_path / "copies"), **QUIET)
+    settings = from_env(mirror=str(volume), local_dir=str(tmp_path / "copies"), **QUIET)
     weights = volcache.locate_weights(str(model), None, settings)
     assert weights.local_copy is not None and weights.local_copy.parent == tmp_path / "copies"
     got = dict(volcache.stream(weights, settings))
@@ -100,7 +100,7 @@ def test_a_repo_id_is_found_in_the_mirrors_hub_layout(tmp_path: Path) -> None:
     shards = write_shards(snapshot)
     (repo / "refs").mkdir()
     (repo / "refs" / "main").write_text(commit)
-    settings = from_env(volume=str(volume), local_dir=str(tmp_path / "copies"), **QUIET)
+    settings = from_env(mirror=str(volume), local_dir=str(tmp_path / "copies"), **QUIET)
     weights = volcache.locate_weights("acme/tiny", None, settings)
     assert weights.folder == snapshot and weights.files == shards
     assert weights.local_copy is not None and weights.local_copy.name.startswith("acme--tiny-")
@@ -109,7 +109,7 @@ def test_a_repo_id_is_found_in_the_mirrors_hub_layout(tmp_path: Path) -> None:
 def test_an_unknown_model_names_every_place_it_looked(
     tmp_path: Path, hub: HubServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    settings = from_env(volume=str(tmp_path))
+    settings = from_env(mirror=str(tmp_path))
     with pytest.raises(volcache.WeightsError, match="not on the mirror") as failed:
         volcache.locate_weights("acme/absent", None, settings)
     assert "not in the local Hugging Face cache" in str(failed.value)
@@ -212,7 +212,7 @@ def test_vllms_plugin_never_fails_a_start_over_its_mirror_hooks(
     # vLLM, once imported, keeps its logger's records from the root (and from caplog).
     collect = Collect()
     lp_vllm.log.addHandler(collect)
-    monkeypatch.setenv("LOADERPLUG_VOLUME", str(tmp_path))
+    monkeypatch.setenv("LOADERPLUG_MIRROR", str(tmp_path))
     monkeypatch.setenv("LOADERPLUG_CHUNK_BYTES", "huge")
     try:
         lp_vllm._install_mirror_hooks()

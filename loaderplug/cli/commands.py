@@ -13,7 +13,6 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 from types import FrameType
-from typing import Any
 
 from loaderplug.errors import LoaderplugError, SettingsError
 from loaderplug.jobs.copies import hydrate, sync
@@ -119,19 +118,20 @@ def _load(args: argparse.Namespace) -> int:
         paths = [Path(args.src) / p for p in paths] or sorted(Path(args.src).glob("*.safetensors"))
     if not paths:
         raise _UsageError("nothing to load: name safetensors files, or a folder with --from")
-    stats: dict[str, Any] = {}
     count = nbytes = 0
-    for _name, tensor in iter_tensors(paths, args.device, local_dir=args.dst, stats=stats):
+    load = iter_tensors(paths, args.device, local_dir=args.dst)
+    for _name, tensor in load:
         count += 1
         nbytes += tensor.numel() * tensor.element_size()
-    report = stats["report"]
+    report = load.report
+    assert report is not None
     figures = {
         "tensors": count,
         "tensor_bytes": nbytes,
         "seconds": round(report.seconds, 3),
         "mib_per_s": round(report.mib_per_s, 1),
-        "first_tensor_s": round(stats["first_tensor_s"] or 0.0, 3),
-        "io": {str(p): stats["io"][str(p)] for p in paths},
+        "first_tensor_s": round(load.first_tensor_s or 0.0, 3),
+        "io": {str(p): load.io_modes[str(p)] for p in paths},
         "hydrated_to": args.dst,
         "report": report.to_dict(),
     }

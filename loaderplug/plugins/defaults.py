@@ -13,9 +13,9 @@ from loaderplug.types import IOPolicy, MirrorRequest, Source
 
 @hookimpl(trylast=True)
 def loaderplug_find_mirror(request: MirrorRequest, settings: Settings) -> Path | None:
-    if not settings.volume:
+    if not settings.mirror:
         return None
-    volume = Path(settings.volume)
+    volume = Path(settings.mirror)
     candidate = volume / request.subpath
     if request.kind == "hub":
         # The Hub layout's root: its repos are looked up (and created) inside it.

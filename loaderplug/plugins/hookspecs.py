@@ -36,7 +36,7 @@ hookimpl = pluggy.HookimplMarker(PROJECT)
 def loaderplug_find_mirror(request: MirrorRequest, settings: Settings) -> Path | None:
     """Where a copy of ``request`` lives on a volume mirror, or ``None`` if nowhere.
 
-    The built-in answer comes from ``settings.volume`` (``LOADERPLUG_VOLUME``, or a
+    The built-in answer comes from ``settings.mirror`` (``LOADERPLUG_MIRROR``, or a
     loader's own mirror option).
     """
 

@@ -40,13 +40,15 @@ from pathlib import Path
 from typing import Any
 
 from loaderplug.errors import DistributedError, LoaderplugError
-from loaderplug.jobs.runner import FileFinished, Runner, TensorReady
+from loaderplug.jobs.runner import Runner
 from loaderplug.settings import Settings
 from loaderplug.storage.mounts import filesystem_type, is_network_type
-from loaderplug.tensors.header import LENGTH_BYTES, Header, header_length, parse_header
+from loaderplug.tensors.delivery import FileFinished, TensorDelivery, TensorReady
+from loaderplug.tensors.header_reads import read_header_of
+from loaderplug.tensors.load import Load
 from loaderplug.tensors.load_plan import load_plan
 from loaderplug.tensors.peers import Peer, PeerWatch, pid_namespace
-from loaderplug.tensors.sinks import mapped_tensors
+from loaderplug.tensors.sinks import MappedTensors
 
 
 @dataclass(frozen=True)
@@ -159,9 +161,10 @@ def shared_tensors(
     local_dir: str | os.PathLike[str] | None,
     settings: Settings,
     share: Share,
-    stats: dict[str, Any] | None = None,
+    load: Load,
 ) -> Iterator[tuple[str, Any]]:
-    """Every tensor of ``paths`` on this rank, this rank reading only its own files."""
+    """Every tensor of ``paths`` on this rank, this rank reading only its own files;
+    ``load`` gets the record of what this rank did."""
     import torch.distributed as dist
 
     files = [Path(p) for p in paths]
@@ -182,8 +185,10 @@ def shared_tensors(
             settings = settings.replace(direct_io="off")
         plan = load_plan(mine, device, settings, local, lock_each_file=True)
         runner = Runner(plan, settings)
+        delivery = plan.delivery
+        assert isinstance(delivery, TensorDelivery)
         # A dead peer stops this rank's reading and wakes its wait for the next tensor.
-        steps.watch.on_death(lambda peer: runner.interrupt(steps.watch.error(peer)))
+        steps.watch.on_death(lambda peer: delivery.interrupt(steps.watch.error(peer)))
         if mode == "pagecache":
             final = [local / f.name if local is not None else f for f in files]
             yield from _by_page_cache(runner, steps, files, final)
@@ -199,14 +204,9 @@ def shared_tensors(
             dist.destroy_process_group(group)
             if steps.pending is not None:
                 _abandon(group, steps.pending)
-    if stats is not None:
-        stats.update(
-            report=runner.report,
-            first_tensor_s=runner.first_tensor_s,
-            io=runner.io_modes,
-            sharing=mode,
-            owners={str(f): share.global_ranks[r] for f, r in zip(files, owner, strict=True)},
-        )
+    load.report, load.io_modes = runner.report, runner.io_modes
+    load.first_tensor_s, load.sharing = delivery.first_tensor_s, mode
+    load.owners = {str(f): share.global_ranks[r] for f, r in zip(files, owner, strict=True)}
 
 
 def _data_group(share: Share, device: str) -> Any:
@@ -240,7 +240,7 @@ def _by_page_cache(
     """Own tensors as they complete; at each own file done, a step: the files the other
     ranks finished meanwhile are mapped from the page cache and yielded."""
     index = {f.name: i for i, f in enumerate(files)}
-    events = runner.events()
+    events = runner.run()
     try:
         yield from _page_cache_steps(events, steps, index, final)
     finally:
@@ -274,17 +274,9 @@ def _page_cache_steps(
         said = steps.exchange(news)
         for rank, step in enumerate(said):
             if rank != steps.share.rank and step is not None and step[0] == "file":
-                yield from mapped_tensors(_header_of(final[step[1]]))
+                yield from MappedTensors(read_header_of(final[step[1]]))
         if all(step is None for step in said):
             return
-
-
-def _header_of(path: Path) -> Header:
-    """The header of a file another rank just read (from the page cache)."""
-    with open(path, "rb", buffering=0) as f:
-        size = os.fstat(f.fileno()).st_size
-        n = header_length(str(path), f.read(LENGTH_BYTES), size)
-        return parse_header(str(path), f.read(n), size)
 
 
 # -- broadcast -------------------------------------------------------------------------
@@ -295,7 +287,7 @@ def _by_broadcast(
 ) -> Iterator[tuple[str, Any]]:
     """A step per tensor: each rank offers its next own tensor, and every offered tensor
     is broadcast from its owner to the others over ``data_group``."""
-    events = runner.events()
+    events = runner.run()
     try:
         yield from _broadcast_steps(_own_tensors(events), steps, device, data_group)
     finally:

@@ -16,12 +16,13 @@ read from local disk instead of the mirror.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator, Sequence
+import warnings
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from loaderplug.errors import TransferFailed
 from loaderplug.jobs.runner import Runner
 from loaderplug.settings import Settings, from_env
+from loaderplug.tensors.load import Load, Pairs, RunnerPairs
 from loaderplug.tensors.load_plan import load_plan
 from loaderplug.tensors.ranks import share_for, shared_tensors
 
@@ -38,32 +39,37 @@ def iter_tensors(
     settings: Settings | None = None,
     stats: dict[str, Any] | None = None,
     **overrides: Any,
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(name, tensor)`` from safetensors ``paths`` as each tensor completes.
+) -> Load:
+    """``(name, tensor)`` from safetensors ``paths``, each as it completes.
 
     With ``local_dir``, each file is also hydrated there (same name) in the same pass,
     with every guarantee of a hydrate. With a ``torch.distributed`` process ``group`` of
     more than one rank on this host (or without one, the initialised default group;
     ``LOADERPLUG_DISTRIBUTED=off`` reads alone), the ranks split the files, each byte
-    read once per host, and every rank yields every tensor (see :mod:`loaderplug.tensors.ranks`).
-    A file that fails raises :class:`TransferFailed` naming it (in a group, a
-    :class:`DistributedError` on every rank); a tensor is only ever yielded whole.
-    ``stats``, if given, receives the job's report, the time to first tensor and how
-    each file was read.
+    read once per host, and every rank yields every tensor (see
+    :mod:`loaderplug.tensors.ranks`). Nothing is read until the first tensor is asked
+    for. The returned :class:`~loaderplug.tensors.load.Load` carries the job's report,
+    the time to the first tensor and how each file was read once it is exhausted
+    (``stats``, a dict it fills, is the deprecated way to get them).
     """
     job_settings = (settings or from_env()).replace(**overrides)
-    share = share_for(group, job_settings)
-    if share is not None:
-        yield from shared_tensors(paths, device, local_dir, job_settings, share, stats)
-        return
-    runner = Runner(load_plan(paths, device, job_settings, local_dir), job_settings)
-    yield from runner.tensors()
-    report = runner.report
-    assert report is not None
     if stats is not None:
-        stats.update(report=report, first_tensor_s=runner.first_tensor_s, io=runner.io_modes)
-    if not report.ok:
-        raise TransferFailed(report)
+        warnings.warn(
+            "iter_tensors(stats=...) is deprecated: the Load it returns carries report, "
+            "first_tensor_s and io_modes",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+
+    def start(load: Load) -> Pairs:
+        share = share_for(group, job_settings)
+        if share is not None:
+            return shared_tensors(paths, device, local_dir, job_settings, share, load)
+        return RunnerPairs(
+            Runner(load_plan(paths, device, job_settings, local_dir), job_settings), load
+        )
+
+    return Load(start, stats)
 
 
 def load_file(path: str | os.PathLike[str], device: str = "cpu") -> dict[str, torch.Tensor]:

@@ -12,13 +12,12 @@ import bisect
 import mmap
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
-from loaderplug.engine.executor import READ_PADDING
+from loaderplug.engine.reading import READ_PADDING
 from loaderplug.engine.retry import Cancelled
 from loaderplug.errors import FormatError, LoaderplugError
-from loaderplug.jobs.plan import Emit
 from loaderplug.tensors.budget import MemoryBudget
 from loaderplug.tensors.dtypes import DTYPES
 from loaderplug.tensors.header import Header, TensorInfo
@@ -27,6 +26,10 @@ from loaderplug.tensors.staging import StagingPool, as_bytes
 
 if TYPE_CHECKING:
     import torch
+
+
+# Hands a finished tensor on: its name and the tensor.
+Emit = Callable[[str, Any], None]
 
 
 def torch_module() -> Any:
@@ -126,9 +129,10 @@ class TensorSink:
     them elsewhere, :meth:`write` copies them in. A finished tensor is a view of that
     mapping, which is never reused; its pages are returned to the kernel once the
     tensor's storage dies (see :mod:`loaderplug.tensors.page_release`), so a consumer
-    that drops each tensor holds a window of the file, never all of it. With a ``budget`` the sink holds
-    each span there from its admission (:meth:`admit`) until the runner hands the tensor
-    over (see :mod:`loaderplug.tensors.budget`); the file's other bytes until it is done.
+    that drops each tensor holds a window of the file, never all of it. With a
+    ``budget`` the sink holds each span there from its admission (:meth:`admit`) until
+    the runner hands the tensor over (see :mod:`loaderplug.tensors.budget`); the file's
+    other bytes until it is done.
     """
 
     def __init__(
@@ -307,29 +311,44 @@ class DeviceTensorSink:
             self._device.clear()
 
 
-def mapped_tensors(header: Header) -> Iterator[tuple[str, torch.Tensor]]:
+class MappedTensors:
     """Tensors over a private (copy-on-write) mapping of the file, as safetensors does:
     they share the page cache's pages until written to, and each gives its pages back
-    when it dies (see :mod:`loaderplug.tensors.page_release`)."""
-    torch = torch_module()
-    with open(header.path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        mapping = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY) if size else None
-    dtypes = torch_dtypes(header)
-    if mapping is None:
-        for t in header.tensors:
-            yield t.name, _empty(dtypes[t.name], t)
-        return
-    releaser = PageReleaser(mapping, header, size)
-    try:
-        for t in header.tensors:
-            if not t.nbytes:
-                yield t.name, _empty(dtypes[t.name], t)
-                continue
-            handle = releaser.tensor(t)
-            item = [(t.name, torch.frombuffer(handle, dtype=torch.uint8))]
-            item[0] = (t.name, item[0][1].view(dtypes[t.name]).reshape(t.torch_shape))
-            del handle
-            yield item.pop()  # see loaderplug.jobs.runner.Runner._hand_over
-    finally:
-        releaser.release_rest()
+    when it dies (see :mod:`loaderplug.tensors.page_release`).
+
+    An iterator object, not a generator: nothing of it refers to a tensor it handed
+    over, so a tensor its consumer drops is freed at once."""
+
+    def __init__(self, header: Header) -> None:
+        self._torch = torch_module()
+        self._header = header
+        self._dtypes = torch_dtypes(header)
+        self._tensors = iter(header.tensors)
+        with open(header.path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            mapping = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY) if size else None
+        self._releaser = PageReleaser(mapping, header, size) if mapping is not None else None
+
+    def __iter__(self) -> MappedTensors:
+        return self
+
+    def __next__(self) -> tuple[str, torch.Tensor]:
+        t = next(self._tensors, None)
+        if t is None:
+            self.close()
+            raise StopIteration
+        dtype = self._dtypes[t.name]
+        if not t.nbytes or self._releaser is None:
+            return t.name, _empty(dtype, t)
+        raw = self._torch.frombuffer(self._releaser.tensor(t), dtype=self._torch.uint8)
+        return t.name, raw.view(dtype).reshape(t.torch_shape)
+
+    def close(self) -> None:
+        """Give back the pages of every tensor not handed over (idempotent)."""
+        releaser, self._releaser = self._releaser, None
+        self._tensors = iter(())
+        if releaser is not None:
+            releaser.release_rest()
+
+    def __del__(self) -> None:
+        self.close()

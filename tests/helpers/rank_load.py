@@ -85,17 +85,9 @@ def main() -> int:
     group = None if os.environ.get("RANK_GROUP") == "none" else dist.group.WORLD
     out: dict[str, object] = {"tensors": {}, "error": None}
     started = time.monotonic()
-    stats: dict[str, object] = {}
+    load = iter_tensors(files, local_dir=os.environ.get("RANK_LOCAL_DIR") or None, group=group)
     try:
-        for n, (name, tensor) in enumerate(
-            iter_tensors(
-                files,
-                local_dir=os.environ.get("RANK_LOCAL_DIR") or None,
-                group=group,
-                stats=stats,
-            ),
-            start=1,
-        ):
+        for n, (name, tensor) in enumerate(load, start=1):
             raw = tensor.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
             dtype = str(tensor.dtype).removeprefix("torch.")
             out["tensors"][name] = [dtype, list(tensor.shape), zlib.crc32(raw)]  # type: ignore[index]
@@ -110,7 +102,7 @@ def main() -> int:
     out["seconds"] = time.monotonic() - started
     out["reads"] = reads
     out["read_paths"] = read_paths
-    out["sharing"] = stats.get("sharing")
+    out["sharing"] = load.sharing
     print(json.dumps(out))
     return 0
 

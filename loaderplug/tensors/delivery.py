@@ -1,0 +1,294 @@
+"""How a load hands its tensors over: the :class:`~loaderplug.jobs.plan.Delivery` of a
+load, and the consumer's side of it.
+
+For each file the runner plans, :class:`TensorDelivery` reads its header (two small
+reads, retried like any read) and gives the runner a tensor sink for it, or, for a file
+that is in memory already (tmpfs, or mostly in the page cache), serves it itself as
+tensors over a mapping. While the engine runs on a thread of its own, :class:`HandOver`
+gives the consumer each tensor the moment a sink emits it, then tells of each file once
+it is done.
+
+The hand-over is made of iterator objects, not generator functions: a suspended
+generator keeps its locals, and a tensor the consumer has dropped must be freed then,
+not when the next one comes (the memory budget counts on it). Nothing between the sink
+and the consumer keeps a reference to a tensor handed over.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable, Generator, Iterator
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any
+
+from loaderplug.engine.buffers import Opener
+from loaderplug.engine.file_task import EngineStats
+from loaderplug.engine.retry import RetryPolicy, retrying
+from loaderplug.engine.sinks import Sink
+from loaderplug.errors import HydrateError
+from loaderplug.jobs.plan import FileEntry
+from loaderplug.settings import Settings
+from loaderplug.storage.mounts import is_network_type
+from loaderplug.tensors.budget import MemoryBudget
+from loaderplug.tensors.header import Header
+from loaderplug.tensors.header_reads import read_header
+from loaderplug.tensors.sinks import DeviceTensorSink, MappedTensors, TensorSink
+from loaderplug.tensors.staging import StagingPool, backend_for, pool_for
+from loaderplug.types import FileResult, IOPolicy
+
+
+@dataclass(frozen=True)
+class TensorReady:
+    """A tensor of the file ``rel``, whole, handed to the consumer."""
+
+    rel: str
+    name: str
+    tensor: Any
+
+
+@dataclass(frozen=True)
+class FileFinished:
+    """A file of a load was read to its end (every tensor of it handed over before), or
+    failed."""
+
+    result: FileResult
+
+
+Event = TensorReady | FileFinished
+
+
+class TensorDelivery:
+    """A load's delivery (see :class:`loaderplug.jobs.plan.Delivery`)."""
+
+    served_as = "mapped"
+
+    def __init__(self, device: str, settings: Settings, *, may_map: bool = True) -> None:
+        self.device = device
+        self.retry = RetryPolicy.of(settings)
+        self.retries = 0
+        # Host memory for tensors being assembled or not yet taken by the consumer.
+        self.budget = MemoryBudget(settings.bytes_in_flight)
+        backend = backend_for(device)
+        self.pool: StagingPool | None = (
+            pool_for(backend, settings.bytes_in_flight) if backend is not None else None
+        )
+        self.may_map = may_map and device == "cpu"
+        self.mapped: list[tuple[str, Header]] = []
+        self.results: list[FileResult] = []
+        self.first_tensor_s: float | None = None
+        self.started: float | None = None
+        # Events from the engine's threads for the consumer's; None: the engine is done;
+        # an exception: raise it (see interrupt).
+        self.ready: queue.SimpleQueue[Event | BaseException | None] = queue.SimpleQueue()
+        self.interrupted: BaseException | None = None
+
+    # -- planning (the runner's thread) -------------------------------------------------
+
+    def prepare(self, entry: FileEntry, policy: IOPolicy, open_source: Opener) -> Sink | None:
+        if self.started is None:
+            self.started = time.monotonic()
+        header = self._read_header(entry, policy, open_source)
+        if entry.copy_to is None and self._maps(policy):
+            self.mapped.append((entry.rel, header))
+            return None
+        rel = entry.rel
+
+        def emit(name: str, tensor: Any) -> None:
+            self.ready.put(TensorReady(rel, name, tensor))
+
+        if self.pool is not None:
+            return DeviceTensorSink(header, self.pool, emit)
+        return TensorSink(header, self.device, emit, self.budget)
+
+    def _maps(self, policy: IOPolicy) -> bool:
+        # Buffered on a local filesystem means the bytes are in memory already (tmpfs,
+        # or a file mostly in the page cache): mapping them beats copying them.
+        return self.may_map and not policy.direct and not is_network_type(policy.fs_type)
+
+    def _read_header(self, entry: FileEntry, policy: IOPolicy, open_source: Opener) -> Header:
+        """The file's header, retried like any read; a file that changed since it was
+        listed fails here."""
+        path = str(entry.source)
+
+        def read() -> Header:
+            source = open_source(path, policy)
+            try:
+                now = source.identity()
+                if not now.matches(entry.identity, inode=policy.stable_inodes):
+                    raise HydrateError(
+                        f"{path}: changed since it was listed (now {now.describe()})", path=path
+                    )
+                return read_header(source, path)
+            finally:
+                source.close()
+
+        def give_up(exc: OSError, attempts: int | None) -> HydrateError:
+            tries = f" after {attempts} attempts" if attempts else ""
+            return HydrateError(
+                f"{path}: reading the header failed{tries}: {exc.strerror or exc}",
+                path=path,
+                errno=exc.errno,
+            )
+
+        header, retries = retrying(read, self.retry, give_up)
+        self.retries += retries
+        return header
+
+    # -- running ------------------------------------------------------------------------
+
+    def deliver(
+        self,
+        run_engine: Callable[[], EngineStats] | None,
+        cancel: Callable[[], None],
+        notify: Callable[[str, str, Any], None],
+    ) -> HandOver:
+        return HandOver(self, run_engine, cancel, notify)
+
+    def file_done(self, result: FileResult) -> None:
+        # The consumer hears of a file after the tensors it emitted.
+        self.ready.put(FileFinished(result))
+
+    def served(self) -> list[FileResult]:
+        return list(self.results)
+
+    def interrupt(self, exc: BaseException) -> None:
+        """From any thread: stop the load, raising ``exc`` to its consumer where it waits
+        for the next tensor, or as soon as it asks for one (before any it has not taken
+        yet). Ranks sharing a load call it when one of them dies."""
+        self.interrupted = exc
+        self.ready.put(exc)
+
+    def taken(self, tensor: Any) -> None:
+        """The consumer received ``tensor``, one a sink emitted: a tensor assembled on the
+        host leaves the budget once its consumer has it."""
+        if self.pool is None:
+            self.budget.release(tensor.untyped_storage().nbytes())
+
+
+class HandOver(Generator[Event, None, "EngineStats | None"]):
+    """The consumer's side of a load: the mapped files' tensors first, then the engine's,
+    each as it completes, and each file once it is done. Its return value (through
+    ``yield from``) is the engine's stats.
+
+    Closing it (the consumer stopped early) or an error cancels the engine and waits for
+    its threads, so every unfinished file's sinks are aborted before it returns."""
+
+    def __init__(
+        self,
+        delivery: TensorDelivery,
+        run_engine: Callable[[], EngineStats] | None,
+        cancel: Callable[[], None],
+        notify: Callable[[str, str, Any], None],
+    ) -> None:
+        self._delivery = delivery
+        self._run_engine, self._cancel, self._notify = run_engine, cancel, notify
+        self._mapped = iter(delivery.mapped)
+        self._file: tuple[str, Header, Iterator[tuple[str, Any]]] | None = None
+        self._worker: threading.Thread | None = None
+        self._outcome: dict[str, Any] = {}
+        self._done = False
+
+    def send(self, value: None) -> Event:
+        if self._done:
+            raise StopIteration
+        try:
+            return self._next_mapped() or self._next_from_engine()
+        except StopIteration:
+            self._done = True
+            raise
+        except BaseException:
+            self._stop()
+            raise
+
+    def throw(
+        self,
+        typ: Any,
+        val: Any = None,
+        tb: TracebackType | None = None,
+    ) -> Event:
+        self._stop()
+        raise val if val is not None else typ
+
+    def close(self) -> None:
+        self._stop()
+
+    def _next_mapped(self) -> Event | None:
+        """The next event of the mapped files, None once they are all handed over."""
+        while True:
+            if self._file is None:
+                nxt = next(self._mapped, None)
+                if nxt is None:
+                    return None
+                rel, header = nxt
+                self._file = (rel, header, MappedTensors(header))
+            rel, header, tensors = self._file
+            item = next(tensors, None)
+            if item is not None:
+                return self._handed(TensorReady(rel, *item))
+            self._file = None
+            result = FileResult(rel, "loaded", header.size)
+            self._delivery.results.append(result)
+            return FileFinished(result)
+
+    def _next_from_engine(self) -> Event:
+        if self._run_engine is None:
+            raise StopIteration(None)
+        if self._worker is None:
+            self._start()
+        delivery = self._delivery
+        if delivery.interrupted is not None:
+            raise delivery.interrupted
+        event = delivery.ready.get()
+        if isinstance(event, BaseException):
+            raise event
+        if event is None:
+            self._stop()
+            if "error" in self._outcome:
+                raise self._outcome["error"]
+            raise StopIteration(self._outcome["stats"])
+        if isinstance(event, TensorReady):
+            delivery.taken(event.tensor)
+            return self._handed(event)
+        return event
+
+    def _handed(self, event: TensorReady) -> TensorReady:
+        delivery = self._delivery
+        if delivery.first_tensor_s is None:
+            delivery.first_tensor_s = time.monotonic() - (delivery.started or time.monotonic())
+        self._notify(event.rel, event.name, event.tensor)
+        return event
+
+    def _start(self) -> None:
+        run_engine = self._run_engine
+        assert run_engine is not None
+
+        def run() -> None:
+            try:
+                self._outcome["stats"] = run_engine()
+            except BaseException as exc:
+                self._outcome["error"] = exc
+            finally:
+                self._delivery.ready.put(None)
+
+        self._worker = threading.Thread(target=run, name="loaderplug-load", daemon=True)
+        self._worker.start()
+
+    def _stop(self) -> None:
+        """Cancel the engine if it still runs (the consumer stopped early, or an error)
+        and wait for it; close the mapped file being handed over."""
+        self._done = True
+        if self._file is not None:
+            tensors = self._file[2]
+            self._file = None
+            if isinstance(tensors, MappedTensors):
+                tensors.close()
+        worker = self._worker
+        if worker is None:
+            return
+        if worker.is_alive():
+            self._cancel()
+        while worker.is_alive():
+            worker.join(0.1)  # timed: the consumer's thread stays able to take Ctrl-C
