@@ -82,8 +82,8 @@ class Engine:
         self.order = order
         self.on_bytes = on_bytes
         self.name = name
-        self._retries = 0
-        self._bytes_copied = 0
+        self.retries = 0
+        self.bytes_copied = 0
         self._cancel = threading.Event()
         self._lock = threading.Lock()
         # Spans are handed out one reader at a time, in order, memory budgets included.
@@ -108,6 +108,10 @@ class Engine:
         """Stop from another thread: readers stop within about one range's time."""
         self._cancel.set()
 
+    @property
+    def cancelled(self) -> bool:
+        return self._cancel.is_set()
+
     # -- orchestration ------------------------------------------------------------
 
     def run(self, tasks: Sequence[FileTask]) -> EngineStats:
@@ -120,15 +124,15 @@ class Engine:
         try:
             for t in readers + writers:
                 t.start()
-            self._join(readers)
+            _join(readers)
             for _ in writers:
                 self._pieces.put(None)
-            self._join(writers)
+            _join(writers)
         except BaseException:
             self._cancel.set()
             for _ in writers:
                 self._pieces.put(None)
-            self._join(readers + writers)
+            _join(readers + writers)
             raise
         finally:
             for task in tasks:
@@ -136,7 +140,7 @@ class Engine:
             self._pool.close()
         if self._crash is not None:
             raise self._crash
-        return self._stats(tasks)
+        return _stats(self, tasks)
 
     def _plan_spans(self, tasks: Sequence[FileTask]) -> None:
         """Count each file's spans to read (those a killed run landed are skipped) and
@@ -163,18 +167,6 @@ class Engine:
                 else:
                     self._finish(task)
 
-    def _stats(self, tasks: Sequence[FileTask]) -> EngineStats:
-        limit = self.limit
-        return EngineStats(
-            results=[t.result for t in tasks if t.result is not None],
-            bytes_copied=self._bytes_copied,
-            retries=self._retries,
-            chunk=self.chunk,
-            workers=limit.limit,
-            workers_range=(limit.lowest, limit.highest) if limit.adaptive else None,
-            cancelled=self._cancel.is_set(),
-        )
-
     def _thread(self, target: Callable[[], None], name: str) -> threading.Thread:
         def guarded() -> None:
             try:
@@ -186,13 +178,6 @@ class Engine:
                 self._cancel.set()
 
         return threading.Thread(target=guarded, name=f"loaderplug-{self.name}-{name}", daemon=True)
-
-    @staticmethod
-    def _join(threads: list[threading.Thread]) -> None:
-        for t in threads:
-            # A timed join keeps the main thread able to take Ctrl-C.
-            while t.is_alive():
-                t.join(0.1)
 
     def _next(self) -> tuple[FileTask, Span] | None:
         with self._handout:
@@ -212,7 +197,7 @@ class Engine:
 
     def _count_retry(self) -> None:
         with self._lock:
-            self._retries += 1
+            self.retries += 1
 
     # -- reading ----------------------------------------------------------------------
 
@@ -282,7 +267,7 @@ class Engine:
 
     def _landed(self, piece: Piece) -> None:
         with self._lock:
-            self._bytes_copied += piece.length
+            self.bytes_copied += piece.length
             if self.on_bytes is not None:
                 self.on_bytes(piece.length)
             piece.progress.pieces_left -= 1
@@ -317,3 +302,23 @@ class Engine:
             task.finished(FileResult(task.rel, task.outcome, task.size))
         if task.result is not None:
             self.observer.file_done(task.result)
+
+
+def _join(threads: list[threading.Thread]) -> None:
+    for t in threads:
+        # A timed join keeps the main thread able to take Ctrl-C.
+        while t.is_alive():
+            t.join(0.1)
+
+
+def _stats(engine: Engine, tasks: Sequence[FileTask]) -> EngineStats:
+    limit = engine.limit
+    return EngineStats(
+        results=[t.result for t in tasks if t.result is not None],
+        bytes_copied=engine.bytes_copied,
+        retries=engine.retries,
+        chunk=engine.chunk,
+        workers=limit.limit,
+        workers_range=(limit.lowest, limit.highest) if limit.adaptive else None,
+        cancelled=engine.cancelled,
+    )

@@ -372,6 +372,29 @@ def _from_mirror(mirror: Path, call: _Call, commit: str, settings: Settings) -> 
     if call.file is not None and not selection.usable:
         return None  # not a file of the commit, or not usable: the original says which
     local_dir = options.get("local_dir")
+    target = _hydrate_served(mirror, options, served, commit, settings)
+    if not _say_what_is_left_out(mirror, options, served, commit):
+        return None
+    if call.file is not None and not selection.usable:
+        return None
+    if served.listed and settings.sync:
+        _complete_mirror_snapshot(mirror, selection)
+    if local_dir is not None:
+        _record_local_dir_downloads(target, selection)
+        where = Path(os.path.realpath(target))
+    else:
+        where = target / "snapshots" / commit
+        where.mkdir(parents=True, exist_ok=True)  # a selection of nothing: an empty one
+        _keep_local_ref(options, commit, fsync=settings.fsync)
+    return str(where / call.file) if call.file is not None else str(where)
+
+
+def _hydrate_served(
+    mirror: Path, options: dict[str, Any], served: _Served, commit: str, settings: Settings
+) -> Path:
+    """Hydrate the served selection into the call's local folder or cache (the folder
+    returned); a file that fails is moved from usable to refused."""
+    selection, local_dir = served.selection, options.get("local_dir")
     listing = served.listed and served.stored
     if local_dir is not None:
         target = Path(local_dir).expanduser().resolve()
@@ -384,13 +407,21 @@ def _from_mirror(mirror: Path, call: _Call, commit: str, settings: Settings) -> 
     if served.fetched is not None and not served.stored:
         # The mirror could not keep the listing: the local cache still gets it.
         hub_mirror.write_listing(listing_folder, commit, served.fetched, fsync=settings.fsync)
-    if not report.ok:
-        failed = {r.path: r.reason for r in report.failed}
-        for f in list(selection.usable):
-            reason = failed.get(f"blobs/{f.blob}") or failed.get(f.path)
-            if reason:
-                selection.refused[f.path] = reason
-                selection.usable.remove(f)
+    failed = {r.path: r.reason for r in report.failed}
+    for f in list(selection.usable):
+        reason = failed.get(f"blobs/{f.blob}") or failed.get(f.path)
+        if reason:
+            selection.refused[f.path] = reason
+            selection.usable.remove(f)
+    return target
+
+
+def _say_what_is_left_out(
+    mirror: Path, options: dict[str, Any], served: _Served, commit: str
+) -> bool:
+    """Log, once, what the mirror could not serve; False when the original must fetch
+    it (a snapshot with no listing to check it against is served as it is)."""
+    selection = served.selection
     if served.unchecked:
         refused = selection.refused
         left_out = f"; left out {len(refused)} file(s) ({_some(refused)})" if refused else ""
@@ -417,19 +448,8 @@ def _from_mirror(mirror: Path, call: _Call, commit: str, settings: Settings) -> 
             options["repo_id"],
             _some(selection.refused),
         )
-        return None
-    if call.file is not None and not selection.usable:
-        return None
-    if served.listed and settings.sync:
-        _complete_mirror_snapshot(mirror, selection)
-    if local_dir is not None:
-        _record_local_dir_downloads(target, selection)
-        where = Path(os.path.realpath(target))
-    else:
-        where = target / "snapshots" / commit
-        where.mkdir(parents=True, exist_ok=True)  # a selection of nothing: an empty one
-        _keep_local_ref(options, commit, fsync=settings.fsync)
-    return str(where / call.file) if call.file is not None else str(where)
+        return False
+    return True
 
 
 def _complete_mirror_snapshot(mirror: Path, selection: hub_mirror.Selection) -> None:

@@ -118,48 +118,49 @@ def select(
     """
     src_path, dst_path = Path(src), Path(dst)
     _check_apart(job, src_path, dst_path)
-    root = os.path.realpath(src_path) + os.sep
-
-    def list_files() -> Listing:
-        chosen = Listing()
-        # The selection may come from a mirror's own listing: nothing may land, or be
-        # read, outside the two roots.
-        for rel, target in sorted(symlinks.items()):
-            problem = path_problem(rel) or symlink_problem(rel, target)
-            if problem:
-                chosen.refused[rel] = problem
-            else:
-                chosen.symlinks[rel] = target
-        for rel, origin in sorted(files.items()):
-            problem = path_problem(rel) or path_problem(origin)
-            if not problem and not os.path.realpath(src_path / origin).startswith(root):
-                problem = f"{origin} resolves outside the mirror root and is refused"
-            if problem:
-                chosen.refused[rel] = problem
-                continue
-            try:
-                st = os.stat(src_path / origin)
-            except OSError as exc:
-                chosen.refused[rel] = f"cannot read {origin} on the mirror: {exc.strerror or exc}"
-                continue
-            chosen.files.append(FileEntry.of(rel, src_path / origin, st, dst_path / rel))
-        parents = {posixpath.dirname(e.rel) for e in chosen.files} | {
-            posixpath.dirname(rel) for rel in chosen.symlinks
-        }
-        chosen.dirs = sorted(d for d in parents if d)
-        return chosen
-
     plan = Plan(
         job=job,
         source=str(src_path),
         destination=dst_path,
-        list_files=list_files,
+        list_files=lambda: _list_selection(src_path, dst_path, files, symlinks),
         locks=(folder_lock(dst_path / lock_in),),
         # Only the chosen files' leftovers: dst may hold much else (a user's local_dir).
         leftovers=lambda: [t for rel in files for t in temps_of(dst_path / rel)],
         expect=expect,
     )
     return run(plan, settings)
+
+
+def _list_selection(
+    src: Path, dst: Path, files: dict[str, str], symlinks: dict[str, str]
+) -> Listing:
+    """The selection as a listing. It may come from a mirror's own listing: nothing may
+    land, or be read, outside the two roots."""
+    root = os.path.realpath(src) + os.sep
+    chosen = Listing()
+    for rel, target in sorted(symlinks.items()):
+        problem = path_problem(rel) or symlink_problem(rel, target)
+        if problem:
+            chosen.refused[rel] = problem
+        else:
+            chosen.symlinks[rel] = target
+    for rel, origin in sorted(files.items()):
+        problem = path_problem(rel) or path_problem(origin)
+        if not problem and not os.path.realpath(src / origin).startswith(root):
+            problem = f"{origin} resolves outside the mirror root and is refused"
+        if problem:
+            chosen.refused[rel] = problem
+            continue
+        try:
+            st = os.stat(src / origin)
+        except OSError as exc:
+            chosen.refused[rel] = f"cannot read {origin} on the mirror: {exc.strerror or exc}"
+            continue
+        chosen.files.append(FileEntry.of(rel, src / origin, st, dst / rel))
+    parents = {posixpath.dirname(e.rel) for e in chosen.files}
+    parents |= {posixpath.dirname(rel) for rel in chosen.symlinks}
+    chosen.dirs = sorted(d for d in parents if d)
+    return chosen
 
 
 def _check_apart(job: str, src: Path, dst: Path) -> None:

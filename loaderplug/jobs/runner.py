@@ -27,7 +27,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -244,36 +244,13 @@ class Runner:
 
     # -- the engine ---------------------------------------------------------------------
 
-    def _engine(self, tasks: list[FileTask]) -> Engine:
-        settings, plan = self.settings, self.plan
-        total = sum(t.size for t in tasks)
-        # Whether any source is on a network filesystem: auto splits the budget for many
-        # readers there, for few long ranges on a local disk.
-        network = any(is_network_type(t.policy.fs_type) for t in tasks)
-        sizing = self._sizing = size_job(settings, total, network=network)
-        threshold = settings.split_threshold_bytes
-        spans = sum(count_spans(t.size, sizing.chunk, threshold) for t in tasks)
-        readers = max(1, min(sizing.workers, spans))
-        limit: ConcurrencyLimit = AdaptiveLimit(readers) if sizing.adaptive else FixedLimit(readers)
-        return Engine(
-            open_source=self.plugins.open_source,
-            limit=limit,
-            chunk=sizing.chunk,
-            split_threshold=threshold,
-            buffers=settings.bytes_in_flight // sizing.chunk,
-            retry=RetryPolicy.of(settings),
-            observer=_Observer(self.plugins, plan),
-            # A delivery reads file by file, within its memory budget; a copy spreads its
-            # readers across files.
-            order=file_major if plan.delivery is not None else offset_major,
-            on_bytes=self._progress.start(total),
-            name=plan.job,
-        )
-
     def _execute(self, prepared: _Prepared) -> Generator[Any, None, EngineStats]:
         """Run the engine over the prepared files (through the plan's delivery, if it has
         one); returns the engine's stats."""
-        engine = self._engine(prepared.tasks) if prepared.tasks else None
+        engine = None
+        if prepared.tasks:
+            on_bytes = self._progress.start(sum(t.size for t in prepared.tasks))
+            engine, self._sizing = _engine_for(self, prepared.tasks, on_bytes)
         try:
             delivery = self.plan.delivery
             if delivery is None:
@@ -351,6 +328,37 @@ class _Observer:
         self.plugins.notify_file_done(self.job, result)
         if self.delivery is not None:
             self.delivery.file_done(result)
+
+
+def _engine_for(
+    runner: Runner, tasks: list[FileTask], on_bytes: Callable[[int], None] | None
+) -> tuple[Engine, Sizing]:
+    """The engine for ``tasks``, sized for them, and its sizing."""
+    settings, plan, plugins = runner.settings, runner.plan, runner.plugins
+    total = sum(t.size for t in tasks)
+    # Whether any source is on a network filesystem: auto splits the budget for many
+    # readers there, for few long ranges on a local disk.
+    network = any(is_network_type(t.policy.fs_type) for t in tasks)
+    sizing = size_job(settings, total, network=network)
+    threshold = settings.split_threshold_bytes
+    spans = sum(count_spans(t.size, sizing.chunk, threshold) for t in tasks)
+    readers = max(1, min(sizing.workers, spans))
+    limit: ConcurrencyLimit = AdaptiveLimit(readers) if sizing.adaptive else FixedLimit(readers)
+    engine = Engine(
+        open_source=plugins.open_source,
+        limit=limit,
+        chunk=sizing.chunk,
+        split_threshold=threshold,
+        buffers=settings.bytes_in_flight // sizing.chunk,
+        retry=RetryPolicy.of(settings),
+        observer=_Observer(plugins, plan),
+        # A delivery reads file by file, within its memory budget; a copy spreads its
+        # readers across files.
+        order=file_major if plan.delivery is not None else offset_major,
+        on_bytes=on_bytes,
+        name=plan.job,
+    )
+    return engine, sizing
 
 
 def _acquire(locks: list[Lock]) -> tuple[float, str]:

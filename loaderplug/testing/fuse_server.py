@@ -26,7 +26,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import IO, Any
 
 from loaderplug.testing.faults import (
@@ -72,69 +72,17 @@ class _Handle:
         self.stale_fds: list[int] = []
 
 
-class _VolumeOps:
-    """mfusepy operations (duck-typed: mfusepy only looks methods up by name).
+class _NamespaceOps:
+    """The namespace half of the volume's operations: attributes (with the habits of
+    network filesystems: inode numbers, coarse mtimes, an attribute cache) and changes
+    to names. :class:`_VolumeOps` adds open files and their IO."""
 
-    Not a subclass of mfusepy.Operations so this module imports without
-    libfuse; mfusepy is imported only inside the server process.
-    """
-
-    use_ns = True  # utimens gets integer nanoseconds
-
-    def __init__(
-        self, backing: str, profile: VolumeProfile, on_init: Callable[[], None] | None = None
-    ) -> None:
-        self._root = os.path.realpath(backing)
-        self._profile = profile
-        self._inode_numbers = itertools.count(1 << 40)  # "new-each-look": never a real one
-        self._stale_rng = random.Random(profile.seed)
-        # attr_lag_s: each path's last attribute answer and when it was taken.
-        self._attrs: dict[str, tuple[float, dict[str, Any]]] = {}
-        self._on_init = on_init
-        self._lock = threading.Lock()
-        self._handles: dict[int, _Handle] = {}
-        self._refused_handles: set[int] = set()  # opened with O_DIRECT under "read" refusal
-        self._ids = itertools.count(1)
-        self._faults = FaultPicker(profile.faults, profile.seed)
-        self._mount_bucket = (
-            TokenBucket(profile.mount_bytes_per_s) if profile.mount_bytes_per_s else None
-        )
-        self._replaces = ReplaceSchedule(profile.replace)
-        self._generation: dict[str, int] = {}
-        self._replace_lock = threading.Lock()
-        self._inflight = 0
-        self._counters = _zero_stats()
-
-    # -- helpers ----------------------------------------------------------
-
-    def _full(self, path: str) -> str:
-        return os.path.join(self._root, path.lstrip("/"))
-
-    def stats(self) -> dict[str, int]:
-        with self._lock:
-            out = dict(self._counters)
-            out["inflight_reads"] = self._inflight
-            return out
-
-    def reset_stats(self) -> None:
-        with self._lock:
-            self._counters = _zero_stats()
-            self._counters["max_inflight_reads"] = self._inflight
-
-    def _new_handle(self, fd: int, path: str, flags: int) -> int:
-        rel = norm_rel(path)
-        rate = self._profile.per_stream_bytes_per_s
-        with self._lock:
-            fh = next(self._ids)
-            self._handles[fh] = _Handle(
-                fd,
-                rel,
-                flags,
-                self._generation.get(rel, 0),
-                TokenBucket(rate) if rate else None,
-            )
-            self._counters["opens"] += 1
-        return fh
+    _root: str
+    _profile: VolumeProfile
+    _inode_numbers: Iterator[int]
+    _attrs: dict[str, tuple[float, dict[str, Any]]]
+    _lock: threading.Lock
+    _handles: dict[int, _Handle]
 
     def _handle(self, fh: int) -> _Handle:
         h = self._handles.get(fh)
@@ -142,78 +90,8 @@ class _VolumeOps:
             raise OSError(errno_mod.EBADF, os.strerror(errno_mod.EBADF))
         return h
 
-    def _current_fd(self, h: _Handle) -> int:
-        gen = self._generation.get(h.rel, 0)
-        if gen == h.generation:
-            return h.fd
-        if self._profile.stale_handles:
-            # NFS: the handle names the file that was replaced, which is gone.
-            h.stale = True
-            raise OSError(errno_mod.ESTALE, os.strerror(errno_mod.ESTALE))
-        # The file was replaced under this handle: reopen by name so the
-        # reader sees the new inode, as it would on a network volume that
-        # does not pin the old object.
-        with h.lock:
-            if gen != h.generation:
-                flags = h.flags & ~(os.O_CREAT | os.O_EXCL | os.O_TRUNC)
-                new_fd = os.open(self._full(h.rel), flags)
-                h.stale_fds.append(h.fd)
-                h.fd = new_fd
-                h.generation = gen
-            return h.fd
-
-    def _account_served(self, rel: str, nbytes: int) -> None:
-        if rel not in self._replaces.paths:
-            return
-        with self._lock:
-            due = self._replaces.served(rel, nbytes)
-        for r in due:
-            try:
-                self._do_replace(r)
-            except OSError as e:
-                # The bytes were already read: report on stderr (shown if
-                # the test fails) rather than failing this read request.
-                print(f"testvol: Replace {r} failed: {e}", file=sys.stderr)
-
-    def _do_replace(self, r: Replace) -> None:
-        rel = norm_rel(r.path)
-        target = self._full(rel)
-        with self._replace_lock:
-            try:
-                os.replace(r.with_file, target)
-            except OSError as e:
-                if e.errno != errno_mod.EXDEV:
-                    raise
-                # Different filesystem: stage a copy next to the target so the
-                # final swap is still one atomic rename.
-                fd, tmp = tempfile.mkstemp(prefix=".replace-", dir=os.path.dirname(target))
-                os.close(fd)
-                shutil.copy2(r.with_file, tmp)
-                os.replace(tmp, target)
-            with self._lock:
-                self._generation[rel] = self._generation.get(rel, 0) + 1
-                self._counters["replacements"] += 1
-
-    # -- lifecycle --------------------------------------------------------
-
-    def init_with_config(self, conn_info: Any, config: Any) -> None:
-        if config is not None:
-            # Zero timeouts: a replaced file's size/mtime/inode show at once.
-            config.entry_timeout = 0.0
-            config.negative_timeout = 0.0
-            config.attr_timeout = 0.0
-            # Report our st_ino, or leave libfuse's node ids ("node-ids").
-            config.use_ino = int(self._own_inode_numbers)
-            config.hard_remove = 1
-            config.readdir_ino = int(self._own_inode_numbers)
-            config.direct_io = 1  # bypass the page cache (see loaderplug.testing.volume)
-            config.kernel_cache = 0
-            config.auto_cache = 0
-        if self._on_init is not None:
-            self._on_init()
-
-    def destroy(self, path: str) -> None:
-        return None
+    def _full(self, path: str) -> str:
+        return os.path.join(self._root, path.lstrip("/"))
 
     @property
     def _own_inode_numbers(self) -> bool:
@@ -385,6 +263,141 @@ class _VolumeOps:
         return 0
 
     # -- file I/O ---------------------------------------------------------
+
+
+class _VolumeOps(_NamespaceOps):
+    """mfusepy operations (duck-typed: mfusepy only looks methods up by name).
+
+    Not a subclass of mfusepy.Operations so this module imports without
+    libfuse; mfusepy is imported only inside the server process.
+    """
+
+    use_ns = True  # utimens gets integer nanoseconds
+
+    def __init__(
+        self, backing: str, profile: VolumeProfile, on_init: Callable[[], None] | None = None
+    ) -> None:
+        self._root = os.path.realpath(backing)
+        self._profile = profile
+        self._inode_numbers = itertools.count(1 << 40)  # "new-each-look": never a real one
+        self._stale_rng = random.Random(profile.seed)
+        # attr_lag_s: each path's last attribute answer and when it was taken.
+        self._attrs: dict[str, tuple[float, dict[str, Any]]] = {}
+        self._on_init = on_init
+        self._lock = threading.Lock()
+        self._handles: dict[int, _Handle] = {}
+        self._refused_handles: set[int] = set()  # opened with O_DIRECT under "read" refusal
+        self._ids = itertools.count(1)
+        self._faults = FaultPicker(profile.faults, profile.seed)
+        self._mount_bucket = (
+            TokenBucket(profile.mount_bytes_per_s) if profile.mount_bytes_per_s else None
+        )
+        self._replaces = ReplaceSchedule(profile.replace)
+        self._generation: dict[str, int] = {}
+        self._replace_lock = threading.Lock()
+        self._inflight = 0
+        self._counters = _zero_stats()
+
+    # -- helpers ----------------------------------------------------------
+
+    def stats(self) -> dict[str, int]:
+        with self._lock:
+            out = dict(self._counters)
+            out["inflight_reads"] = self._inflight
+            return out
+
+    def reset_stats(self) -> None:
+        with self._lock:
+            self._counters = _zero_stats()
+            self._counters["max_inflight_reads"] = self._inflight
+
+    def _new_handle(self, fd: int, path: str, flags: int) -> int:
+        rel = norm_rel(path)
+        rate = self._profile.per_stream_bytes_per_s
+        with self._lock:
+            fh = next(self._ids)
+            self._handles[fh] = _Handle(
+                fd,
+                rel,
+                flags,
+                self._generation.get(rel, 0),
+                TokenBucket(rate) if rate else None,
+            )
+            self._counters["opens"] += 1
+        return fh
+
+    def _current_fd(self, h: _Handle) -> int:
+        gen = self._generation.get(h.rel, 0)
+        if gen == h.generation:
+            return h.fd
+        if self._profile.stale_handles:
+            # NFS: the handle names the file that was replaced, which is gone.
+            h.stale = True
+            raise OSError(errno_mod.ESTALE, os.strerror(errno_mod.ESTALE))
+        # The file was replaced under this handle: reopen by name so the
+        # reader sees the new inode, as it would on a network volume that
+        # does not pin the old object.
+        with h.lock:
+            if gen != h.generation:
+                flags = h.flags & ~(os.O_CREAT | os.O_EXCL | os.O_TRUNC)
+                new_fd = os.open(self._full(h.rel), flags)
+                h.stale_fds.append(h.fd)
+                h.fd = new_fd
+                h.generation = gen
+            return h.fd
+
+    def _account_served(self, rel: str, nbytes: int) -> None:
+        if rel not in self._replaces.paths:
+            return
+        with self._lock:
+            due = self._replaces.served(rel, nbytes)
+        for r in due:
+            try:
+                self._do_replace(r)
+            except OSError as e:
+                # The bytes were already read: report on stderr (shown if
+                # the test fails) rather than failing this read request.
+                print(f"testvol: Replace {r} failed: {e}", file=sys.stderr)
+
+    def _do_replace(self, r: Replace) -> None:
+        rel = norm_rel(r.path)
+        target = self._full(rel)
+        with self._replace_lock:
+            try:
+                os.replace(r.with_file, target)
+            except OSError as e:
+                if e.errno != errno_mod.EXDEV:
+                    raise
+                # Different filesystem: stage a copy next to the target so the
+                # final swap is still one atomic rename.
+                fd, tmp = tempfile.mkstemp(prefix=".replace-", dir=os.path.dirname(target))
+                os.close(fd)
+                shutil.copy2(r.with_file, tmp)
+                os.replace(tmp, target)
+            with self._lock:
+                self._generation[rel] = self._generation.get(rel, 0) + 1
+                self._counters["replacements"] += 1
+
+    # -- lifecycle --------------------------------------------------------
+
+    def init_with_config(self, conn_info: Any, config: Any) -> None:
+        if config is not None:
+            # Zero timeouts: a replaced file's size/mtime/inode show at once.
+            config.entry_timeout = 0.0
+            config.negative_timeout = 0.0
+            config.attr_timeout = 0.0
+            # Report our st_ino, or leave libfuse's node ids ("node-ids").
+            config.use_ino = int(self._own_inode_numbers)
+            config.hard_remove = 1
+            config.readdir_ino = int(self._own_inode_numbers)
+            config.direct_io = 1  # bypass the page cache (see loaderplug.testing.volume)
+            config.kernel_cache = 0
+            config.auto_cache = 0
+        if self._on_init is not None:
+            self._on_init()
+
+    def destroy(self, path: str) -> None:
+        return None
 
     def open(self, path: str, flags: int) -> int:
         direct = bool(flags & getattr(os, "O_DIRECT", 0))

@@ -231,109 +231,15 @@ class _Handler(BaseHTTPRequestHandler):
             self.wfile.write(body)
 
 
-class HubServer:
-    """A Hub serving model repos from memory over plain HTTP on 127.0.0.1 (see the module doc)."""
+class _HubApi:
+    """The Hub's API over the repos in memory: what each request is answered with.
+    :class:`HubServer` adds the HTTP server, the repos' making and the request counts."""
 
-    def __init__(self) -> None:
-        self.endpoint = ""  # "http://127.0.0.1:PORT" once started
-        self.requests: list[tuple[str, str]] = []  # (method, raw request path with query)
-        self.tree_page_size = 1000  # entries per /tree page, as on the Hub
-        self.announce_xet = False  # LFS files carry a Xet hash (listings, HEAD answers)
-        self._lock = threading.Lock()
-        self._repos: dict[str, _Repo] = {}
-        self._commits = 0
-        self._server: _Server | None = None
-        self._thread: threading.Thread | None = None
-
-    # -- repos -----------------------------------------------------------------------------
-
-    def add_repo(
-        self,
-        repo_id: str,
-        files: dict[str, bytes],
-        *,
-        branch: str = "main",
-        lfs_patterns: Sequence[str] = ("*.safetensors", "*.bin"),
-        lfs_min_size: int = LFS_MIN_SIZE,
-    ) -> str:
-        """Commit ``files`` (the whole tree of the new commit) on ``branch``; return its sha.
-
-        The parent is the branch's head, or ``main``'s for a new branch. Files whose path matches
-        one of ``lfs_patterns`` (fnmatch on the full path) or of ``lfs_min_size`` bytes or more are
-        stored in LFS.
-        """
-        built = {
-            path: _make_file(
-                path,
-                data,
-                len(data) >= lfs_min_size or any(fnmatch.fnmatch(path, p) for p in lfs_patterns),
-            )
-            for path, data in sorted(files.items())
-        }
-        tree, dirs = _git_trees(built)
-        with self._lock:
-            repo = self._repos.setdefault(repo_id, _Repo())
-            parent = repo.branches.get(branch) or repo.branches.get("main")
-            self._commits += 1
-            when = 1_700_000_000 + self._commits
-            ident = f"HubServer <hub@localhost> {when} +0000"
-            body = f"tree {tree}\n" + (f"parent {parent}\n" if parent else "")
-            body += f"author {ident}\ncommitter {ident}\n\ncommit {self._commits}\n"
-            sha = _git_object_sha1(b"commit", body.encode())
-            date = datetime.fromtimestamp(when, timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.000Z")
-            repo.commits[sha] = _Commit(sha, built, dirs, date)
-            repo.branches[branch] = sha
-        return sha
-
-    # -- requests --------------------------------------------------------------------------
-
-    def _record(self, method: str, path: str) -> None:
-        with self._lock:
-            self.requests.append((method, path))
-
-    def file_requests(self) -> int:
-        """How many requests (HEAD or GET) went to a ``/resolve/`` URL."""
-        with self._lock:
-            return sum("/resolve/" in urlsplit(path).path for _, path in self.requests)
-
-    def reset_counts(self) -> None:
-        with self._lock:
-            self.requests.clear()
-
-    # -- lifecycle -------------------------------------------------------------------------
-
-    def start(self) -> HubServer:
-        if self._server is not None:
-            return self
-        server = _Server(("127.0.0.1", 0), _Handler)
-        server.hub = self
-        self._server = server
-        self.endpoint = f"http://127.0.0.1:{server.server_address[1]}"
-        self._thread = threading.Thread(
-            target=server.serve_forever, args=(0.05,), name="hubserver", daemon=True
-        )
-        self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        server, thread = self._server, self._thread
-        self._server = self._thread = None
-        if server is not None:
-            server.shutdown()
-            server.server_close()
-        if thread is not None:
-            thread.join(timeout=10)
-
-    def __enter__(self) -> HubServer:
-        return self.start()
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()
+    endpoint: str
+    tree_page_size: int
+    announce_xet: bool
+    _lock: threading.Lock
+    _repos: dict[str, _Repo]
 
     # -- routing ---------------------------------------------------------------------------
 
@@ -494,6 +400,111 @@ class HubServer:
             )
         headers["Content-Range"] = f"bytes {start}-{stop - 1}/{size}"
         return 206, headers, f.data[start:stop]
+
+
+class HubServer(_HubApi):
+    """A Hub serving model repos from memory over plain HTTP on 127.0.0.1 (see the module doc)."""
+
+    def __init__(self) -> None:
+        self.endpoint = ""  # "http://127.0.0.1:PORT" once started
+        self.requests: list[tuple[str, str]] = []  # (method, raw request path with query)
+        self.tree_page_size = 1000  # entries per /tree page, as on the Hub
+        self.announce_xet = False  # LFS files carry a Xet hash (listings, HEAD answers)
+        self._lock = threading.Lock()
+        self._repos: dict[str, _Repo] = {}
+        self._commits = 0
+        self._server: _Server | None = None
+        self._thread: threading.Thread | None = None
+
+    # -- repos -----------------------------------------------------------------------------
+
+    def add_repo(
+        self,
+        repo_id: str,
+        files: dict[str, bytes],
+        *,
+        branch: str = "main",
+        lfs_patterns: Sequence[str] = ("*.safetensors", "*.bin"),
+        lfs_min_size: int = LFS_MIN_SIZE,
+    ) -> str:
+        """Commit ``files`` (the whole tree of the new commit) on ``branch``; return its sha.
+
+        The parent is the branch's head, or ``main``'s for a new branch. Files whose path matches
+        one of ``lfs_patterns`` (fnmatch on the full path) or of ``lfs_min_size`` bytes or more are
+        stored in LFS.
+        """
+        built = {
+            path: _make_file(
+                path,
+                data,
+                len(data) >= lfs_min_size or any(fnmatch.fnmatch(path, p) for p in lfs_patterns),
+            )
+            for path, data in sorted(files.items())
+        }
+        tree, dirs = _git_trees(built)
+        with self._lock:
+            repo = self._repos.setdefault(repo_id, _Repo())
+            parent = repo.branches.get(branch) or repo.branches.get("main")
+            self._commits += 1
+            when = 1_700_000_000 + self._commits
+            ident = f"HubServer <hub@localhost> {when} +0000"
+            body = f"tree {tree}\n" + (f"parent {parent}\n" if parent else "")
+            body += f"author {ident}\ncommitter {ident}\n\ncommit {self._commits}\n"
+            sha = _git_object_sha1(b"commit", body.encode())
+            date = datetime.fromtimestamp(when, timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.000Z")
+            repo.commits[sha] = _Commit(sha, built, dirs, date)
+            repo.branches[branch] = sha
+        return sha
+
+    # -- requests --------------------------------------------------------------------------
+
+    def _record(self, method: str, path: str) -> None:
+        with self._lock:
+            self.requests.append((method, path))
+
+    def file_requests(self) -> int:
+        """How many requests (HEAD or GET) went to a ``/resolve/`` URL."""
+        with self._lock:
+            return sum("/resolve/" in urlsplit(path).path for _, path in self.requests)
+
+    def reset_counts(self) -> None:
+        with self._lock:
+            self.requests.clear()
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    def start(self) -> HubServer:
+        if self._server is not None:
+            return self
+        server = _Server(("127.0.0.1", 0), _Handler)
+        server.hub = self
+        self._server = server
+        self.endpoint = f"http://127.0.0.1:{server.server_address[1]}"
+        self._thread = threading.Thread(
+            target=server.serve_forever, args=(0.05,), name="hubserver", daemon=True
+        )
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        server, thread = self._server, self._thread
+        self._server = self._thread = None
+        if server is not None:
+            server.shutdown()
+            server.server_close()
+        if thread is not None:
+            thread.join(timeout=10)
+
+    def __enter__(self) -> HubServer:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
 
 
 def client_env(endpoint: str, home: Path) -> dict[str, str]:

@@ -273,23 +273,8 @@ def write_tiny_llama(
     names = sorted(weights)
     if shards > len(names):
         raise ValueError(f"at most {len(names)} shards")
-
-    # Greedy split by bytes in name order: each shard takes its share of what is left.
     sizes = {name: weights[name].numel() * weights[name].element_size() for name in names}
-    groups: list[list[str]] = []
-    rest = list(names)
-    for index in range(shards):
-        left = shards - index
-        if left == 1:
-            groups.append(rest)
-            break
-        target = sum(sizes[n] for n in rest) / left
-        group: list[str] = []
-        while (
-            rest and len(rest) > left - 1 and (not group or sum(sizes[n] for n in group) < target)
-        ):
-            group.append(rest.pop(0))
-        groups.append(group)
+    groups = _split_by_bytes(names, sizes, shards)
 
     paths: list[Path] = []
     weight_map: dict[str, str] = {}
@@ -317,3 +302,22 @@ def write_tiny_llama(
     ).save_pretrained(str(folder))
     _tokenizer(vocab).save_pretrained(str(folder))
     return paths
+
+
+def _split_by_bytes(names: list[str], sizes: dict[str, int], shards: int) -> list[list[str]]:
+    """Greedy split by bytes in name order: each shard takes its share of what is left."""
+    groups: list[list[str]] = []
+    rest = list(names)
+    for index in range(shards):
+        left = shards - index
+        if left == 1:
+            groups.append(rest)
+            break
+        target = sum(sizes[n] for n in rest) / left
+        group: list[str] = []
+        while (
+            rest and len(rest) > left - 1 and (not group or sum(sizes[n] for n in group) < target)
+        ):
+            group.append(rest.pop(0))
+        groups.append(group)
+    return groups

@@ -269,20 +269,18 @@ def main() -> None:
 
     for name, value in VLLM_ENV.items():  # a caller's own choice wins (HF_HUB_OFFLINE=0)
         os.environ.setdefault(name, value)
-    if os.environ.get("TEST_HUB_MAX_RETRIES"):
-        # A test of a Hub that is down: huggingface_hub retries each refused request 5
-        # times over some 23 s (vLLM lists a repo's files several times); keep fewer.
-        from huggingface_hub.utils import _http
-
-        for backoff in (_http._http_backoff_base, _http.http_backoff, _http.http_stream_backoff):
-            defaults = backoff.__kwdefaults__
-            if defaults is not None and "max_retries" in defaults:
-                defaults["max_retries"] = int(os.environ["TEST_HUB_MAX_RETRIES"])
+    _fewer_hub_retries()
     if args.cases:
         logging.basicConfig(level=logging.WARNING)
         logging.getLogger("vllm").setLevel(logging.INFO)
         print(RESULT_PREFIX + json.dumps(run_cases(json.loads(args.cases))))
         return
+    _run_twice(args.load_format, args.server)
+
+
+def _run_twice(load_format: str, server: bool) -> None:
+    """Start vLLM twice on the tiny Llama (and with ``server`` its HTTP server once);
+    both must generate the same tokens."""
     from loaderplug.testing.tiny_llama import write_tiny_llama
 
     # With VLLM_CONFIGURE_LOGGING=0 vLLM's records reach the root logger (as in caplog).
@@ -308,7 +306,7 @@ def main() -> None:
         results = []
         with vllm_process_state():
             for run in range(2):
-                result = generate(folder, args.load_format)
+                result = generate(folder, load_format)
                 results.append(result)
                 print(f"run {run}: {json.dumps(result)}")
         print("weights log:", *weight_log.lines, sep="\n  ")
@@ -316,11 +314,25 @@ def main() -> None:
             raise SystemExit("the two runs generated different tokens")
         print("both runs generated the same tokens")
 
-        if args.server:
-            served = serve_once(folder, args.load_format, Path(tmp) / "server.log")
+        if server:
+            served = serve_once(folder, load_format, Path(tmp) / "server.log")
             print(f"server: {json.dumps(served)}")
             if served["text"] != results[0]["text"]:
                 raise SystemExit("the server generated different text")
+
+
+def _fewer_hub_retries() -> None:
+    """A test of a Hub that is down: huggingface_hub retries each refused request 5 times
+    over some 23 s (vLLM lists a repo's files several times); TEST_HUB_MAX_RETRIES keeps
+    fewer."""
+    if not os.environ.get("TEST_HUB_MAX_RETRIES"):
+        return
+    from huggingface_hub.utils import _http
+
+    for backoff in (_http._http_backoff_base, _http.http_backoff, _http.http_stream_backoff):
+        defaults = backoff.__kwdefaults__
+        if defaults is not None and "max_retries" in defaults:
+            defaults["max_retries"] = int(os.environ["TEST_HUB_MAX_RETRIES"])
 
 
 if __name__ == "__main__":

@@ -244,6 +244,38 @@ def _stop_server(proc: subprocess.Popen[bytes], mountpoint: str) -> None:
     _unmount(mountpoint)
 
 
+def _start_server(
+    backing: Path, mp: str, profile: VolumeProfile, err: IO[bytes]
+) -> subprocess.Popen[bytes]:
+    """Start the FUSE server process for ``backing`` at ``mp``; its stderr goes to ``err``."""
+    pkg_root = str(Path(__file__).resolve().parents[2])
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (pkg_root, env.get("PYTHONPATH", "")) if p)
+    env["FUSE_LIBRARY_NAME"] = "fuse3"
+    cmd = [
+        sys.executable,
+        "-m",
+        "loaderplug.testing.fuse_server",
+        "--backing",
+        os.path.realpath(backing),
+        "--mountpoint",
+        mp,
+        "--profile-json",
+        profile.to_json(),
+    ]
+    return subprocess.Popen(
+        cmd,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=err,
+        cwd="/",  # never hold the mountpoint busy
+        env=env,
+        # Own session: a Ctrl-C aimed at the test run must not kill the server before
+        # the parent has unmounted.
+        start_new_session=True,
+    )
+
+
 @contextmanager
 def mounted(
     backing: Path,
@@ -265,33 +297,8 @@ def mounted(
     elif stale is not None:
         raise RuntimeError(f"{mp} is already a mount point ({stale})")
 
-    pkg_root = str(Path(__file__).resolve().parents[2])
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (pkg_root, env.get("PYTHONPATH", "")) if p)
-    env["FUSE_LIBRARY_NAME"] = "fuse3"
-    cmd = [
-        sys.executable,
-        "-m",
-        "loaderplug.testing.fuse_server",
-        "--backing",
-        os.path.realpath(backing),
-        "--mountpoint",
-        mp,
-        "--profile-json",
-        profile.to_json(),
-    ]
     with tempfile.TemporaryFile(prefix="testvol-stderr-") as err:
-        proc = subprocess.Popen(
-            cmd,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=err,
-            cwd="/",  # never hold the mountpoint busy
-            env=env,
-            # Own session: a Ctrl-C aimed at the test run must not kill the
-            # server before the parent has unmounted.
-            start_new_session=True,
-        )
+        proc = _start_server(backing, mp, profile, err)
         channel = _ControlChannel(proc)
         try:
             ready = channel.read_json(timeout_s)
