@@ -49,7 +49,7 @@ from loaderplug.jobs.digest import Expected
 from loaderplug.jobs.model_folder import is_own_name, path_problem
 from loaderplug.report import TransferReport
 from loaderplug.settings import Settings
-from loaderplug.storage.atomic import replace_with_link, write_atomically
+from loaderplug.storage.files import replace_with_link, write_atomically
 
 # The formats huggingface_hub writes (pure data: this module never imports huggingface_hub).
 from .upstream import huggingface_hub as seam

@@ -19,7 +19,7 @@ from pathlib import Path
 from loaderplug.engine.spans import Landed
 from loaderplug.errors import HydrateError
 from loaderplug.jobs.partial import Journal, is_partial_name, journal_for, partial_for
-from loaderplug.storage.atomic import fsync_dir
+from loaderplug.storage.files import fsync_dir, open_direct, sync_file
 from loaderplug.storage.mounts import is_network_type
 from loaderplug.types import Identity, IOPolicy
 
@@ -137,11 +137,7 @@ class FileSink:
         if self.journal is None:
             return
         if self.fsync:
-            fd = os.open(self.temp, os.O_RDONLY | os.O_CLOEXEC)
-            try:
-                os.fdatasync(fd)
-            finally:
-                os.close(fd)
+            sync_file(self.temp, data_only=True)
         self.journal.record(offset, offset + length)
 
     def _error(self, what: str, exc: OSError, advice: str = "") -> HydrateError:
@@ -167,32 +163,36 @@ class FileSink:
     def write(self, data: memoryview, offset: int) -> None:
         align = self.direct_alignment
         direct_part = len(data) // align * align if align and offset % align == 0 else 0
-        if direct_part:
-            try:
-                self._pwrite(data[:direct_part], offset, os.O_DIRECT)
-            except OSError as exc:
-                if exc.errno != errno.EINVAL:
-                    raise
-                # The kernel refused direct IO here (or the buffer is unaligned): write
-                # this file through the page cache from now on.
-                self.direct_alignment = direct_part = 0
+        if direct_part and not self._pwrite(data[:direct_part], offset, direct=True):
+            # The kernel refused direct IO here (or the buffer is unaligned): write this
+            # file through the page cache from now on.
+            self.direct_alignment = direct_part = 0
         if direct_part < len(data):
-            self._pwrite(data[direct_part:], offset + direct_part, 0)
+            self._pwrite(data[direct_part:], offset + direct_part, direct=False)
 
-    def _pwrite(self, data: memoryview, offset: int, flags: int) -> None:
+    def _pwrite(self, data: memoryview, offset: int, *, direct: bool) -> bool:
+        """Write ``data`` at ``offset``; False if direct IO was refused (nothing written)."""
         # Each write opens its own descriptor: no descriptor is shared between workers,
         # and no O_CREAT, so a write racing an abort cannot resurrect the temp file.
-        fd = os.open(self.temp, os.O_WRONLY | os.O_CLOEXEC | flags)
+        flags = os.O_WRONLY | os.O_CLOEXEC
+        fd = open_direct(self.temp, flags) if direct else os.open(self.temp, flags)
+        if fd is None:
+            return False
         try:
             done = 0
             while done < len(data):
                 done += os.pwrite(fd, data[done:], offset + done)
-            if self.fsync and not flags:
+            if self.fsync and not direct:
                 # Start writeback of this range now, so the fsync before publishing
                 # finds little left to flush instead of the whole file at once.
                 os.posix_fadvise(fd, offset, len(data), os.POSIX_FADV_DONTNEED)
+        except OSError as exc:
+            if not (direct and exc.errno == errno.EINVAL):
+                raise
+            return False
         finally:
             os.close(fd)
+        return True
 
     def blocks(self, size: int = 8 * 1024 * 1024) -> Iterator[bytes]:
         """The temp file's bytes, for a check that must read them again."""
@@ -203,11 +203,7 @@ class FileSink:
     def commit(self) -> None:
         os.utime(self.temp, ns=(self.mtime_ns, self.mtime_ns))
         if self.fsync:
-            fd = os.open(self.temp, os.O_RDONLY | os.O_CLOEXEC)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            sync_file(self.temp)
         os.replace(self.temp, self.dst)
         if self.journal is not None:
             self.journal.remove()

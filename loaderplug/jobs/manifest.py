@@ -18,7 +18,7 @@ from typing import Any
 from loaderplug.errors import MirrorError
 from loaderplug.jobs.file_sink import temp_name_for
 from loaderplug.jobs.model_folder import MANIFEST_NAME, path_problem, symlink_problem
-from loaderplug.storage.atomic import write_atomically
+from loaderplug.storage.files import write_atomically
 
 VERSION = 1
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from loaderplug.errors import DestinationError
 from loaderplug.jobs.file_sink import temp_name_for
-from loaderplug.storage.atomic import replace_with_link
+from loaderplug.storage.files import replace_with_link
 from loaderplug.types import FileResult
 
 # A destination that cannot take a lock file: a read-only filesystem or folder.

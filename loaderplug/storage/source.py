@@ -13,6 +13,7 @@ import mmap
 import os
 import threading
 
+from loaderplug.storage.files import open_direct
 from loaderplug.types import Identity, IOPolicy
 
 log = logging.getLogger(__name__)
@@ -47,19 +48,12 @@ class PosixSource:
     def __init__(self, path: str, policy: IOPolicy) -> None:
         self.path = path
         self.policy = policy
-        self.direct = policy.direct and hasattr(os, "O_DIRECT")
         flags = os.O_RDONLY | os.O_CLOEXEC
-        if self.direct:
-            try:
-                self._fd = os.open(path, flags | os.O_DIRECT)
-            except OSError as exc:
-                if exc.errno != errno.EINVAL:
-                    raise
-                _note_fallback(policy, path)
-                self.direct = False
-                self._fd = os.open(path, flags)
-        else:
-            self._fd = os.open(path, flags)
+        fd = open_direct(path, flags) if policy.direct else None
+        if policy.direct and fd is None:
+            _note_fallback(policy, path)
+        self.direct = fd is not None
+        self._fd = fd if fd is not None else os.open(path, flags)
         self._size = os.fstat(self._fd).st_size
 
     @property

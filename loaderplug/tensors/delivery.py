@@ -28,7 +28,7 @@ from loaderplug.engine.buffers import Opener
 from loaderplug.engine.file_task import EngineStats
 from loaderplug.engine.retry import RetryPolicy, retrying
 from loaderplug.engine.sinks import Sink
-from loaderplug.errors import HydrateError
+from loaderplug.errors import HydrateError, LoaderplugError
 from loaderplug.jobs.plan import FileEntry
 from loaderplug.settings import Settings
 from loaderplug.storage.mounts import is_network_type
@@ -292,3 +292,32 @@ class HandOver(Generator[Event, None, "EngineStats | None"]):
             self._cancel()
         while worker.is_alive():
             worker.join(0.1)  # timed: the consumer's thread stays able to take Ctrl-C
+
+
+class TensorsOf(Iterator[tuple[str, Any]]):
+    """The ``(name, tensor)`` pairs among a load's events.
+
+    With ``pause_at_files`` an iteration ends at each file finished (:attr:`finished`
+    tells which) and the next one resumes after it; :attr:`done` is set once the events
+    are exhausted. Without, finished files are passed over and a failed one raises
+    :class:`~loaderplug.errors.LoaderplugError`.
+    """
+
+    def __init__(self, events: Iterator[Any], *, pause_at_files: bool = False) -> None:
+        self._events = events
+        self._pause = pause_at_files
+        self.finished: FileResult | None = None
+        self.done = False
+
+    def __next__(self) -> tuple[str, Any]:
+        self.finished = None
+        for event in self._events:
+            if isinstance(event, TensorReady):
+                return event.name, event.tensor
+            if self._pause:
+                self.finished = event.result
+                raise StopIteration
+            if event.result.status == "failed":
+                raise LoaderplugError(f"{event.result.path}: {event.result.reason}")
+        self.done = True
+        raise StopIteration

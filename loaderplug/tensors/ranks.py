@@ -43,7 +43,7 @@ from loaderplug.errors import DistributedError, LoaderplugError
 from loaderplug.jobs.runner import Runner
 from loaderplug.settings import Settings
 from loaderplug.storage.mounts import filesystem_type, is_network_type
-from loaderplug.tensors.delivery import FileFinished, TensorDelivery, TensorReady
+from loaderplug.tensors.delivery import TensorDelivery, TensorsOf
 from loaderplug.tensors.header_reads import read_header_of
 from loaderplug.tensors.load import Load
 from loaderplug.tensors.load_plan import load_plan
@@ -250,27 +250,20 @@ def _by_page_cache(
 def _page_cache_steps(
     events: Iterator[Any], steps: _Steps, index: dict[str, int], final: list[Path]
 ) -> Iterator[tuple[str, Any]]:
-    done = False
+    own = TensorsOf(events, pause_at_files=True)
     while True:
         news: tuple[str, Any] | None = None
-        if not done:
+        if not own.done:
             try:
-                for event in events:
-                    if isinstance(event, TensorReady):
-                        item = [(event.name, event.tensor)]
-                        del event
-                        yield item.pop()  # see loaderplug.jobs.runner.Runner._hand_over
-                        continue
-                    elif event.result.status == "failed":
-                        news = ("error", f"{event.result.path}: {event.result.reason}")
-                        break
-                    else:
-                        news = ("file", index[event.result.path])
-                        break
-                else:
-                    done = True
+                yield from own  # up to this rank's next file done
             except LoaderplugError as exc:
-                news, done = ("error", str(exc)), True
+                news, own.done = ("error", str(exc)), True
+            else:
+                result = own.finished
+                if result is not None and result.status == "failed":
+                    news = ("error", f"{result.path}: {result.reason}")
+                elif result is not None:
+                    news = ("file", index[result.path])
         said = steps.exchange(news)
         for rank, step in enumerate(said):
             if rank != steps.share.rank and step is not None and step[0] == "file":
@@ -289,7 +282,7 @@ def _by_broadcast(
     is broadcast from its owner to the others over ``data_group``."""
     events = runner.run()
     try:
-        yield from _broadcast_steps(_own_tensors(events), steps, device, data_group)
+        yield from _broadcast_steps(TensorsOf(events), steps, device, data_group)
     finally:
         events.close()
 
@@ -297,47 +290,64 @@ def _by_broadcast(
 def _broadcast_steps(
     tensors: Iterator[tuple[str, Any]], steps: _Steps, device: str, data_group: Any
 ) -> Iterator[tuple[str, Any]]:
-    import torch
-
-    share = steps.share
     done = False
     while True:
-        offer: tuple[str, Any] | None = None
-        own = None
+        step = _BroadcastStep(steps, device, data_group)
+        error: tuple[str, Any] | None = None
         if not done:
             try:
-                own = next(tensors, None)
+                step.own = next(tensors, None)
             except LoaderplugError as exc:
-                offer, done = ("error", str(exc)), True
+                error, done = ("error", str(exc)), True
             else:
-                if own is None:
-                    done = True
-                else:
-                    name, tensor = own
-                    offer = (
-                        "tensor",
-                        (name, str(tensor.dtype).removeprefix("torch."), list(tensor.shape)),
-                    )
-        said = steps.exchange(offer)
-        for rank, step in enumerate(said):
+                done = step.own is None
+        said = steps.exchange(error or step.offer())
+        yield from step.hand_over(said)
+        if all(s is None for s in said):
+            return
+
+
+class _BroadcastStep(Iterator[tuple[str, Any]]):
+    """One step of a broadcast: this rank's offer (its next own tensor, :attr:`own`),
+    then every tensor offered, in rank order, each broadcast from its owner and handed
+    over. It lets go of its own tensor as it hands it over."""
+
+    def __init__(self, steps: _Steps, device: str, data_group: Any) -> None:
+        self.steps, self.device, self.data_group = steps, device, data_group
+        self.own: tuple[str, Any] | None = None
+        self._said: list[Any] = []
+        self._next_rank = 0
+
+    def offer(self) -> tuple[str, Any] | None:
+        if self.own is None:
+            return None
+        name, tensor = self.own
+        return ("tensor", (name, str(tensor.dtype).removeprefix("torch."), list(tensor.shape)))
+
+    def hand_over(self, said: list[Any]) -> _BroadcastStep:
+        self._said, self._next_rank = said, 0
+        return self
+
+    def __next__(self) -> tuple[str, Any]:
+        import torch
+
+        share = self.steps.share
+        while self._next_rank < len(self._said):
+            rank, step = self._next_rank, self._said[self._next_rank]
+            self._next_rank += 1
             if step is None or step[0] != "tensor":
                 continue
             name, dtype_name, shape = step[1]
             if rank == share.rank:
-                assert own is not None
-                tensor = own[1].contiguous()
+                assert self.own is not None
+                tensor, self.own = self.own[1].contiguous(), None
             else:
-                tensor = _receive_buffer(getattr(torch, dtype_name), shape, device)
+                tensor = _receive_buffer(getattr(torch, dtype_name), shape, self.device)
             raw = tensor.view(-1).view(torch.uint8) if tensor.numel() else tensor
             if raw.numel():
-                steps.broadcast(raw, share.global_ranks[rank], data_group)
-            item = [(name, tensor)]
-            del raw, tensor
-            if rank == share.rank:
-                own = None
-            yield item.pop()  # see loaderplug.jobs.runner.Runner._hand_over
-        if all(step is None for step in said):
-            return
+                self.steps.broadcast(raw, share.global_ranks[rank], self.data_group)
+            return name, tensor
+        raise StopIteration
 
 
 def _receive_buffer(dtype: Any, shape: list[int], device: str) -> Any:
@@ -352,17 +362,6 @@ def _receive_buffer(dtype: Any, shape: list[int], device: str) -> Any:
         return torch.empty(0, dtype=dtype).reshape(shape)
     memory = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     return torch.frombuffer(memory, dtype=torch.uint8).view(dtype).reshape(shape)
-
-
-def _own_tensors(events: Iterator[Any]) -> Iterator[tuple[str, Any]]:
-    for event in events:
-        if isinstance(event, FileFinished):
-            if event.result.status == "failed":
-                raise LoaderplugError(f"{event.result.path}: {event.result.reason}")
-            continue
-        item = [(event.name, event.tensor)]
-        del event
-        yield item.pop()  # see loaderplug.jobs.runner.Runner._hand_over
 
 
 # -- steps -----------------------------------------------------------------------------

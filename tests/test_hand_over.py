@@ -1,0 +1,81 @@
+"""The hand-over keeps no tensor it handed over: a tensor the consumer drops is freed at
+once, and its memory returned, while the load goes on."""
+
+from __future__ import annotations
+
+import weakref
+from pathlib import Path
+
+import pytest
+
+from loaderplug import io_policy, iter_tensors
+from loaderplug.units import MiB
+
+torch = pytest.importorskip("torch")
+safetensors_torch = pytest.importorskip("safetensors.torch")
+
+TENSOR_BYTES = 8 * MiB
+SHARDS, PER_SHARD = 3, 4
+
+
+@pytest.fixture
+def model(tmp_path: Path) -> list[Path]:
+    paths = []
+    for shard in range(SHARDS):
+        tensors = {
+            f"s{shard}.w{i}": torch.full((TENSOR_BYTES // 4,), float(shard * 10 + i))
+            for i in range(PER_SHARD)
+        }
+        path = tmp_path / "mirror" / f"model-{shard}.safetensors"
+        path.parent.mkdir(exist_ok=True)
+        safetensors_torch.save_file(tensors, str(path))
+        paths.append(path)
+    return paths
+
+
+def resident_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+
+
+def drop_each(load: object) -> tuple[int, int]:
+    """Take every tensor, check its value, drop it and see it freed before asking for the
+    next; the number taken, and the most resident memory grew meanwhile."""
+    base, grown, taken = resident_bytes(), 0, 0
+    for name, tensor in load:  # type: ignore[attr-defined]
+        shard, index = name[1:].split(".w")
+        assert float(tensor[0]) == float(int(shard) * 10 + int(index))
+        freed = weakref.ref(tensor)
+        del tensor
+        assert freed() is None, f"{name} is still referenced after the consumer dropped it"
+        grown = max(grown, resident_bytes() - base)
+        taken += 1
+    return taken, grown
+
+
+def test_a_one_pass_frees_each_dropped_tensor_at_once(model: list[Path], tmp_path: Path) -> None:
+    load = iter_tensors(model, local_dir=tmp_path / "local", bytes_in_flight="16M", progress=False)
+    taken, grown = drop_each(load)
+    assert taken == SHARDS * PER_SHARD
+    # Each dropped tensor's pages went back: the load holds a window, never the model.
+    assert grown < SHARDS * PER_SHARD * TENSOR_BYTES // 2, grown
+    assert load.report is not None and load.report.ok
+
+
+def test_mapped_files_free_each_dropped_tensor_at_once(model: list[Path]) -> None:
+    for path in model:
+        path.read_bytes()  # in the page cache: mapped
+    load = iter_tensors(model, direct_io="off", progress=False)
+    taken, _ = drop_each(load)
+    assert taken == SHARDS * PER_SHARD
+    assert all(mode.startswith("mapped") for mode in load.io_modes.values()), load.io_modes
+
+
+def test_tensors_read_in_place_free_each_dropped_tensor_at_once(model: list[Path]) -> None:
+    if not io_policy(str(model[0]), "on").direct:
+        pytest.skip("no direct reads here")
+    load = iter_tensors(model, direct_io="on", bytes_in_flight="16M", progress=False)
+    taken, grown = drop_each(load)
+    assert taken == SHARDS * PER_SHARD
+    assert grown < SHARDS * PER_SHARD * TENSOR_BYTES // 2, grown
+    assert not any(mode.startswith("mapped") for mode in load.io_modes.values())
