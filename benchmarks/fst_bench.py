@@ -41,6 +41,7 @@ CONTENDERS = ("loaderplug + fastsafetensors", "fastsafetensors")
 
 def child(name: str, files: list[str]) -> dict[str, float]:
     import torch
+
     from loaderplug.integrations import fastsafetensors as lp_fst
 
     if name == "loaderplug + fastsafetensors":

@@ -13,12 +13,10 @@ import sys
 from pathlib import Path
 
 import loaderplug
-from loaderplug.plugins.manager import Plugins
 
 
 def main(name: str, local_root: str) -> Path:
-    request = loaderplug.MirrorRequest("folder", name)
-    mirror = Plugins(loaderplug.from_env()).find_mirror(request)
+    mirror = loaderplug.find_mirror("folder", name)
     if mirror is None:
         raise SystemExit(f"{name} is not on the mirror; set LOADERPLUG_MIRROR or sync it first")
     local = Path(local_root) / name

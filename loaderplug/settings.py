@@ -28,9 +28,10 @@ import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from loaderplug.errors import SettingsError
+from loaderplug.types import DirectIO, Distributed, RankSharing, WeightsReader
 from loaderplug.units import GiB, KiB, MiB, format_size, parse_size
 
 # With LOADERPLUG_HYDRATE_WORKERS=auto, readers the budget is split for when the source
@@ -198,18 +199,18 @@ class Settings:
         "Where loaders keep local copies of mirrored models. Unset: "
         "$XDG_CACHE_HOME/loaderplug/models (~/.cache/loaderplug/models).",
     )
-    direct_io: str = _setting(
+    direct_io: DirectIO = _setting(
         "choice",
         "auto",
         "O_DIRECT reads: auto (by filesystem type), on, or off.",
-        choices=("auto", "on", "off"),
+        choices=get_args(DirectIO),
     )
-    reader: str = _setting(
+    reader: WeightsReader = _setting(
         "choice",
         "loaderplug",
         "What volcache reads weights with: loaderplug (one pass) or fastsafetensors "
         "(hydrate, then fastsafetensors; for hosts with GPUDirect Storage).",
-        choices=("loaderplug", "fastsafetensors"),
+        choices=get_args(WeightsReader),
     )
     sync: bool = _setting(
         "bool",
@@ -239,14 +240,14 @@ class Settings:
         minimum=2,
         maximum=24 * 3600,
     )
-    distributed: str = _setting(
+    distributed: Distributed = _setting(
         "choice",
         "auto",
         "auto: when a torch.distributed group has more than one rank on this host (given, "
         "or the initialised default group), the ranks split a load's files between them, "
         "each byte read once per host, and every rank gets every tensor. off: each rank "
         "reads everything itself.",
-        choices=("auto", "off"),
+        choices=get_args(Distributed),
     )
     distributed_timeout_s: int = _setting(
         "int",
@@ -257,14 +258,14 @@ class Settings:
         minimum=1,
         maximum=24 * 3600,
     )
-    rank_sharing: str = _setting(
+    rank_sharing: RankSharing = _setting(
         "choice",
         "auto",
         "How a tensor one rank read reaches the others: pagecache (the others map the "
         "file the reader just left in the page cache: CPU tensors from local files), "
         "broadcast (over the group; CUDA tensors, network files), or auto (pagecache "
         "where it applies, else broadcast).",
-        choices=("auto", "pagecache", "broadcast"),
+        choices=get_args(RankSharing),
     )
     origins: Mapping[str, Origin] = field(default_factory=dict, compare=False, repr=False)
 

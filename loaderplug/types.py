@@ -18,13 +18,21 @@ import os
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
+# The choices of the choice settings and of the hooks, declared once (settings derive
+# their accepted values from these).
+DirectIO = Literal["auto", "on", "off"]
+WeightsReader = Literal["loaderplug", "fastsafetensors"]
+Distributed = Literal["auto", "off"]
+RankSharing = Literal["auto", "pagecache", "broadcast"]
+MirrorKind = Literal["hub", "folder"]
+
 
 @dataclass(frozen=True)
 class MirrorRequest:
     """What a caller wants from the mirror: ``kind`` is ``hub`` (a Hub repo, kept in the
     Hub's cache layout under ``<volume>/hub``) or ``folder`` (``<volume>/models/<name>``)."""
 
-    kind: str
+    kind: MirrorKind
     name: str
     revision: str | None = None
 

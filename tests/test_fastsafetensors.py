@@ -11,8 +11,8 @@ import pytest
 pytest.importorskip("fastsafetensors")
 pytest.importorskip("torch")
 from fastsafetensors.copier import registry
-from loaderplug.integrations import fastsafetensors as lp_fst
 
+from loaderplug.integrations import fastsafetensors as lp_fst
 from loaderplug.testing.volume import (
     TestVolume,
     VolumeProfile,

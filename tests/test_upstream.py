@@ -15,6 +15,7 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
+
 from loaderplug.integrations.upstream import Symbol, Upstream, UpstreamChanged, version_tuple
 from loaderplug.integrations.upstream import fastsafetensors as fst_seam
 from loaderplug.integrations.upstream import huggingface_hub as hub_seam
@@ -154,6 +155,7 @@ def test_fastsafetensors_without_its_copier_registry(monkeypatch: pytest.MonkeyP
     installed("fastsafetensors")
     pytest.importorskip("torch")
     from fastsafetensors.copier import registry
+
     from loaderplug.integrations import fastsafetensors as lp_fst
 
     lp_fst.uninstall()  # an earlier test may have left it installed
@@ -192,8 +194,9 @@ def test_vllm_without_its_fastsafetensors_iterator(
     installed("vllm")
     installed("fastsafetensors")
     pytest.importorskip("torch")
-    from loaderplug.integrations import fastsafetensors as lp_fst
     from vllm.model_executor.model_loader import default_loader, weight_utils
+
+    from loaderplug.integrations import fastsafetensors as lp_fst
 
     iterator = weight_utils.fastsafetensors_weights_iterator
     monkeypatch.delattr(weight_utils, "fastsafetensors_weights_iterator")
@@ -209,8 +212,9 @@ def test_vllm_without_its_fastsafetensors_iterator(
 
 def test_vllm_without_its_base_loader(monkeypatch: pytest.MonkeyPatch) -> None:
     installed("vllm")
-    from loaderplug.integrations import vllm as lp_vllm
     from vllm.model_executor.model_loader import base_loader
+
+    from loaderplug.integrations import vllm as lp_vllm
 
     monkeypatch.delattr(base_loader, "BaseModelLoader")
     assert any("base_loader.BaseModelLoader is not there" in p for p in vllm_seam.missing())

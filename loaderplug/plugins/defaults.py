@@ -8,7 +8,7 @@ from loaderplug.plugins.hookspecs import hookimpl
 from loaderplug.settings import Settings
 from loaderplug.storage.io_policy import decide
 from loaderplug.storage.source import PosixSource
-from loaderplug.types import IOPolicy, MirrorRequest, Source
+from loaderplug.types import DirectIO, IOPolicy, MirrorRequest, Source
 
 
 @hookimpl(trylast=True)
@@ -24,7 +24,7 @@ def loaderplug_find_mirror(request: MirrorRequest, settings: Settings) -> Path |
 
 
 @hookimpl(trylast=True)
-def loaderplug_io_policy(path: str, mode: str) -> IOPolicy:
+def loaderplug_io_policy(path: str, mode: DirectIO) -> IOPolicy:
     return decide(path, mode)
 
 

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import pluggy
 
-from loaderplug.types import FileResult, IOPolicy, MirrorRequest, Source
+from loaderplug.types import DirectIO, FileResult, IOPolicy, MirrorRequest, Source
 
 if TYPE_CHECKING:
     from loaderplug.report import TransferReport
@@ -45,7 +45,7 @@ def loaderplug_find_mirror(request: MirrorRequest, settings: Settings) -> Path |
 
 
 @hookspec(firstresult=True)
-def loaderplug_io_policy(path: str, mode: str, settings: Settings) -> IOPolicy | None:
+def loaderplug_io_policy(path: str, mode: DirectIO, settings: Settings) -> IOPolicy | None:
     """How to read ``path``: O_DIRECT or buffered, with alignment and reason.
 
     ``mode`` is ``auto``, ``on`` or ``off``: the job's ``settings.direct_io``.

@@ -16,7 +16,7 @@ from loaderplug.storage.mounts import (
     is_buffered_type,
     nearest_existing,
 )
-from loaderplug.types import IOPolicy
+from loaderplug.types import DirectIO, IOPolicy
 
 DEFAULT_ALIGNMENT = 4096
 # A file at least this much in the page cache is read buffered, from memory.
@@ -77,7 +77,7 @@ def direct_io_alignment(path: str | os.PathLike[str]) -> int:
     return _logical_block_size(dev) or DEFAULT_ALIGNMENT
 
 
-def decide(path: str | os.PathLike[str], mode: str = "auto") -> IOPolicy:
+def decide(path: str | os.PathLike[str], mode: DirectIO = "auto") -> IOPolicy:
     """The built-in policy: network and memory filesystems buffered, local block direct."""
     fs_type = filesystem_type(path)
     if mode == "off":

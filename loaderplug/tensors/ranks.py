@@ -37,7 +37,7 @@ import socket
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from loaderplug.errors import DistributedError, LoaderplugError
 from loaderplug.jobs.runner import Runner
@@ -137,7 +137,7 @@ def owners(sizes: Sequence[int], ranks: int) -> list[int]:
 
 def sharing_mode(
     paths: Sequence[Path], device: str, local_dir: Path | None, settings: Settings
-) -> str:
+) -> Literal["pagecache", "broadcast"]:
     """pagecache or broadcast, as the setting says or (auto) as measured best
     (benchmarks/scale_bench.py): the page cache for CPU tensors read in place from a
     local filesystem (device bytes 1x and 0.9-1.0x safe_open's time at 2 and 4 ranks,
