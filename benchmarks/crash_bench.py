@@ -51,7 +51,7 @@ from loaderplug.units import GiB, MiB, format_size
 
 HERE = Path(__file__).resolve().parent
 
-FAST = {"chunk_bytes": "64K", "split_threshold_bytes": "128K", "hydrate_workers": 4,
+FAST = {"span_bytes": "64K", "split_threshold_bytes": "128K", "readers": 4,
         "retry_base_ms": 1, "retry_max_ms": 4, "progress": False}  # fmt: skip
 
 
@@ -139,7 +139,7 @@ def resumes(root: Path, size: int) -> tuple[list[str], list[dict[str, Any]]]:
             report = json.loads(done.stdout)
             read = vol.stats()["bytes_read"]
             left = shard.stat().st_size - landed.nbytes
-            in_flight = report["workers"] * report["chunk_bytes"]
+            in_flight = report["readers"] * report["span_bytes"]
             same = (local / shard.name).read_bytes() == shard.read_bytes()
             rows.append({"kill_at": at, "landed": landed.nbytes, "left": left, "read": read,
                          "in_flight": in_flight, "identical": same})  # fmt: skip

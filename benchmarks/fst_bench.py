@@ -101,7 +101,7 @@ def main() -> None:
                 for name in order:
                     shutil.rmtree(copies, ignore_errors=True)
                     subprocess.run(["sync"], check=True)
-                    env = {"LOADERPLUG_LOCAL_DIR": str(copies)}
+                    env = {"LOADERPLUG_LOCAL_COPIES": str(copies)}
                     figures = measure(name, on_mount, env)
                     results.setdefault(("test volume", name), []).append(figures)
                     report(round_, "volume", name, figures)

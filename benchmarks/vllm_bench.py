@@ -9,7 +9,7 @@ with the recipe of loaderplug/testing/vllm_runner.py) in its own process, altern
 by round, and generates greedily once:
 
 * volcache             ``--load-format volcache``, model = the folder on the mount,
-                       ``LOADERPLUG_LOCAL_DIR`` = an empty folder on local disk: hydrated
+                       ``LOADERPLUG_LOCAL_COPIES`` = an empty folder on local disk: hydrated
                        and loaded in one pass
 * safetensors (mount)  ``--load-format safetensors`` reading the mount directly
 * cp -r + safetensors  ``cp -r`` from the mount to local disk, then safetensors from it
@@ -203,7 +203,7 @@ def run_contender(name: str, work: Path, backing: Path, reference: Path) -> dict
     with mounted(backing, mnt, PROFILE) as vol:
         on_mount = mnt / "model"
         if name == VOLCACHE:
-            run = run_child(on_mount, "volcache", {**env, "LOADERPLUG_LOCAL_DIR": str(local)})
+            run = run_child(on_mount, "volcache", {**env, "LOADERPLUG_LOCAL_COPIES": str(local)})
         elif name == CP_THEN_ST:
             copy_s, _rss, _out = run_timed(["cp", "-r", str(on_mount), str(local / "model")])
             run = run_child(local / "model", "safetensors", env)
@@ -250,7 +250,7 @@ def hub_section(work: Path, backing: Path, rounds: int) -> tuple[str, dict[str, 
                     "HF_HUB_OFFLINE": "0",
                     "TRANSFORMERS_OFFLINE": "0",
                     "LOADERPLUG_PROGRESS": "0",
-                    "LOADERPLUG_LOCAL_DIR": str(home / "loaderplug"),
+                    "LOADERPLUG_LOCAL_COPIES": str(home / "loaderplug"),
                     "TMPDIR": str(work),
                 }
                 seen = server.file_requests()

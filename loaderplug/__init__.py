@@ -11,8 +11,8 @@ from typing import TYPE_CHECKING
 from loaderplug.errors import (
     DestinationError,
     DistributedError,
+    FileError,
     FormatError,
-    HydrateError,
     LoaderplugError,
     LockError,
     MirrorError,
@@ -46,9 +46,9 @@ __all__ = [
     "DirectIO",
     "Distributed",
     "DistributedError",
+    "FileError",
     "FileResult",
     "FormatError",
-    "HydrateError",
     "IOPolicy",
     "Load",
     "LoaderplugError",
@@ -84,6 +84,10 @@ def __getattr__(name: str) -> object:
         from loaderplug.tensors import load, reader
 
         return getattr(load if name == "Load" else reader, name)
+    if name == "HydrateError":  # renamed: errors.py warns
+        from loaderplug import errors
+
+        return errors.HydrateError
     raise AttributeError(f"module 'loaderplug' has no attribute {name!r}")
 
 

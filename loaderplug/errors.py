@@ -5,7 +5,7 @@ Every error loaderplug raises on purpose derives from :class:`LoaderplugError`::
     LoaderplugError
     ├── SettingsError      a setting, flag or option has a bad value (names which, and why)
     ├── FormatError        a safetensors file is malformed
-    ├── HydrateError       one file could not be copied or read (carries path, range, errno)
+    ├── FileError       one file could not be copied or read (carries path, range, errno)
     ├── TransferFailed     a job finished with failed files (carries the report)
     ├── DistributedError   a rank of a shared load failed or stopped answering
     ├── MirrorError        a mirror or its manifest cannot be trusted
@@ -34,7 +34,7 @@ class LoaderplugError(Exception):
 class SettingsError(LoaderplugError, ValueError):
     """A setting has a value loaderplug cannot use.
 
-    ``variable`` names it as the user set it (``LOADERPLUG_CHUNK_BYTES``, ``--workers``,
+    ``variable`` names it as the user set it (``LOADERPLUG_SPAN_BYTES``, ``--workers``,
     a loader option), ``value`` is what was given and ``expected`` the accepted form and
     range; :meth:`renamed` says the same of another name for the same setting.
     """
@@ -84,7 +84,7 @@ class PluginError(LoaderplugError):
     """A plugin failed to load or returned something unusable."""
 
 
-class HydrateError(LoaderplugError):
+class FileError(LoaderplugError):
     """One file could not be copied or read.
 
     ``range`` is ``(offset, length)`` of the byte range that failed, when one did;
@@ -142,3 +142,22 @@ class UpstreamChanged(LoaderplugError):
     def __reduce__(self) -> tuple[type[UpstreamChanged], tuple[str, str, str, object]]:
         # Picklable with its fields, for errors that cross process boundaries.
         return type(self), (str(self), self.library, self.version, self.symbol)
+
+
+# Renamed exceptions (old name: new one), importable under the old name for one release.
+_RENAMED = {"HydrateError": "FileError"}
+
+
+def __getattr__(name: str) -> type[LoaderplugError]:
+    if name in _RENAMED:
+        import warnings
+
+        warnings.warn(
+            f"loaderplug's {name} is now {_RENAMED[name]} (it was raised by syncs and loads "
+            f"too); the old name goes in the next release",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        renamed: type[LoaderplugError] = globals()[_RENAMED[name]]
+        return renamed
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -16,15 +16,15 @@ class TransferReport:
     job: str
     source: str
     destination: str
-    workers: int
-    chunk_bytes: int
+    readers: int
+    span_bytes: int
     results: list[FileResult] = field(default_factory=list)
     bytes_copied: int = 0
     seconds: float = 0.0
     retries: int = 0
     waited_for_lock_s: float = 0.0
-    # With auto workers: the fewest and most readers the adaptive limit allowed.
-    workers_range: tuple[int, int] | None = None
+    # With auto readers: the fewest and most the adaptive limit allowed.
+    readers_range: tuple[int, int] | None = None
 
     def _with(self, status: Status) -> list[FileResult]:
         return [r for r in self.results if r.status == status]
@@ -72,9 +72,9 @@ class TransferReport:
 
     @property
     def _auto(self) -> str:
-        if self.workers_range is None:
+        if self.readers_range is None:
             return ""
-        low, high = self.workers_range
+        low, high = self.readers_range
         return " (auto)" if low == high else f" (auto, {low}-{high})"
 
     def summary(self) -> str:
@@ -86,7 +86,7 @@ class TransferReport:
             f"{len(self.skipped)} skipped, {len(self.failed)} failed; "
             f"{self.bytes_copied / MiB:.1f} MiB in {self.seconds:.2f} s "
             f"({self.mib_per_s:.1f} MiB/s), {self.retries} retries, "
-            f"{self.workers} workers{self._auto} x {format_size(self.chunk_bytes)}"
+            f"{self.readers} readers{self._auto} x {format_size(self.span_bytes)} spans"
         ]
         if self.results and not (self.restored or self.linked or self.loaded) and self.ok:
             lines.append("nothing to do: every file is already up to date")

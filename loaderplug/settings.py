@@ -15,7 +15,7 @@ Rules every variable follows:
 * An unknown ``LOADERPLUG_*`` name warns with the closest valid one.
 
 Callers pass the environment in (``from_env(environ=...)``), so tests use plain dicts, and
-keyword overrides (``from_env(hydrate_workers=4)``) win over the environment.
+keyword overrides (``from_env(readers=4)``) win over the environment.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from loaderplug.errors import SettingsError
 from loaderplug.types import DirectIO, Distributed, RankSharing, WeightsReader
 from loaderplug.units import GiB, KiB, MiB, format_size, parse_size
 
-# With LOADERPLUG_HYDRATE_WORKERS=auto, readers the budget is split for when the source
+# With LOADERPLUG_READERS=auto, readers the budget is split for when the source
 # is on a network filesystem: many streams beat a per-stream cap, and the adaptive limit
 # may climb this high (fewer when an explicit chunk leaves less room in the budget).
 AUTO_MAX_WORKERS = 32
@@ -123,44 +123,44 @@ def _setting(
 class Settings:
     """Every knob, parsed and checked. Build it with :func:`from_env`."""
 
-    hydrate_workers: int | Literal["auto"] = _setting(
+    readers: int | Literal["auto"] = _setting(
         "workers",
         "auto",
-        f"Worker threads copying ranges. auto: start at {AUTO_START_WORKERS} and adapt while "
-        "copying (more while throughput rises, fewer on ENOMEM/EAGAIN or rising latency), "
-        f"up to {AUTO_MAX_WORKERS} within bytes in flight from network filesystems, "
-        f"{AUTO_LOCAL_WORKERS} of 64 MiB ranges from local disks.",
+        f"Readers: threads reading spans at once. auto: start at {AUTO_START_WORKERS} and "
+        "adapt while reading (more while throughput rises, fewer on ENOMEM/EAGAIN or rising "
+        f"latency), up to {AUTO_MAX_WORKERS} within bytes in flight from network "
+        f"filesystems, {AUTO_LOCAL_WORKERS} spans of 64 MiB from local disks.",
         minimum=1,
         maximum=512,
     )
     bytes_in_flight: int = _setting(
         "size",
         512 * MiB,
-        "Most bytes being read at once (workers x chunk); bounds memory and volume load. "
+        "Most bytes being read at once (readers x span size); bounds memory and volume load. "
         "A load holds at most this much of its tensors in host memory besides the ones its "
         "consumer keeps (a tensor larger than this still loads, alone).",
         minimum=4 * KiB,
         maximum=64 * GiB,
     )
-    chunk_bytes: int | None = _setting(
+    span_bytes: int | None = _setting(
         "size",
         None,
-        "Range size. Unset: bytes in flight / workers, at most 64 MiB, less for small jobs "
-        "(about 8 ranges per worker, at least 4 MiB). Set: used as is.",
+        "Span size. Unset: bytes in flight / readers, at most 64 MiB, less for small jobs "
+        "(about 8 spans per reader, at least 4 MiB). Set: used as is.",
         minimum=4 * KiB,
         maximum=4 * GiB,
     )
     split_threshold_bytes: int = _setting(
         "size",
         32 * MiB,
-        "Files at or over this size are split into ranges; smaller ones are copied whole.",
+        "Files at or over this size are split into spans; smaller ones are one span.",
         minimum=0,
         maximum=1024 * GiB,
     )
     retry_attempts: int = _setting(
         "int",
         8,
-        "Attempts per range on ENOMEM, EIO or EAGAIN before the file fails.",
+        "Attempts per span on ENOMEM, EIO, EAGAIN or ESTALE before the file fails.",
         minimum=1,
         maximum=100,
     )
@@ -190,10 +190,8 @@ class Settings:
     disable_plugins: tuple[str, ...] = _setting(
         "names", (), "Plugins (entry-point or registered names) that must not load."
     )
-    mirror: str | None = _setting(
-        "path", None, "Root of the mirror on the volume (was LOADERPLUG_VOLUME, still read)."
-    )
-    local_dir: str | None = _setting(
+    mirror: str | None = _setting("path", None, "Root of the mirror on the volume.")
+    local_copies: str | None = _setting(
         "path",
         None,
         "Where loaders keep local copies of mirrored models. Unset: "
@@ -205,7 +203,7 @@ class Settings:
         "O_DIRECT reads: auto (by filesystem type), on, or off.",
         choices=get_args(DirectIO),
     )
-    reader: WeightsReader = _setting(
+    weights_reader: WeightsReader = _setting(
         "choice",
         "loaderplug",
         "What volcache reads weights with: loaderplug (one pass) or fastsafetensors "
@@ -272,16 +270,17 @@ class Settings:
     @property
     def local_models_dir(self) -> Path:
         """Where loaders keep local copies of mirrored models."""
-        if self.local_dir:
-            return Path(self.local_dir).expanduser()
+        if self.local_copies:
+            return Path(self.local_copies).expanduser()
         cache = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
         return Path(cache) / "loaderplug" / "models"
 
-    @property
-    def volume(self) -> str | None:
-        """Deprecated: :attr:`mirror`."""
-        _warn_renamed("volume", "mirror", stacklevel=3)
-        return self.mirror
+    def __getattr__(self, name: str) -> Any:
+        # Only for names that are not fields: a renamed setting's old name.
+        if name in RENAMED:
+            _warn_renamed(name, RENAMED[name], stacklevel=3)
+            return getattr(self, RENAMED[name])
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def replace(self, **overrides: Any) -> Settings:
         """A copy with ``overrides`` (by field name) applied and checked."""
@@ -299,7 +298,13 @@ BY_NAME: dict[str, Variable] = {v.name: v for v in REGISTRY}
 # Settings renamed (old field name: new one). An old name keeps working, with a
 # DeprecationWarning, for one release after the rename: as a variable, a keyword of
 # from_env or Settings.replace, and an attribute.
-RENAMED: dict[str, str] = {"volume": "mirror"}
+RENAMED: dict[str, str] = {
+    "volume": "mirror",
+    "hydrate_workers": "readers",
+    "chunk_bytes": "span_bytes",
+    "local_dir": "local_copies",
+    "reader": "weights_reader",
+}
 
 
 def _warn_renamed(old: str, new: str, stacklevel: int) -> None:
@@ -420,8 +425,11 @@ def _warn_unknown(environ: Mapping[str, str]) -> None:
     for name in environ:
         old = name.removeprefix(PREFIX).lower()
         if name.startswith(PREFIX) and name not in BY_NAME and old not in RENAMED:
-            close = difflib.get_close_matches(name, list(BY_NAME), n=1, cutoff=0.6)
-            hint = f"; did you mean {close[0]}?" if close else ""
+            # An old name's typo is pointed at the new name.
+            names = {n: n for n in BY_NAME}
+            names |= {PREFIX + o.upper(): PREFIX + n.upper() for o, n in RENAMED.items()}
+            close = difflib.get_close_matches(name, list(names), n=1, cutoff=0.6)
+            hint = f"; did you mean {names[close[0]]}?" if close else ""
             warnings.warn(
                 f"{name} is not a loaderplug setting and is ignored{hint}",
                 UserWarning,
@@ -437,8 +445,9 @@ def _parse_overrides(overrides: Mapping[str, Any]) -> tuple[dict[str, Any], dict
             _warn_renamed(key, RENAMED[key], stacklevel=4)
             key = RENAMED[key]
         if key not in BY_FIELD:
-            close = difflib.get_close_matches(key, list(BY_FIELD), n=1)
-            hint = f"; did you mean {close[0]!r}?" if close else ""
+            fields = {f: f for f in BY_FIELD} | RENAMED  # an old name's typo: the new name
+            close = difflib.get_close_matches(key, list(fields), n=1)
+            hint = f"; did you mean {fields[close[0]]!r}?" if close else ""
             message = f"unknown setting {key!r}{hint}"
             raise SettingsError(key, None, "the name of a setting", message=message)
         if raw is None:
@@ -451,7 +460,7 @@ def _parse_overrides(overrides: Mapping[str, Any]) -> tuple[dict[str, Any], dict
 def from_env(environ: Mapping[str, str] | None = None, **overrides: Any) -> Settings:
     """Parse ``LOADERPLUG_*`` from ``environ`` (default ``os.environ``), then ``overrides``.
 
-    ``overrides`` are field names (``hydrate_workers=4``); ``None`` leaves a field as the
+    ``overrides`` are field names (``readers=4``); ``None`` leaves a field as the
     environment set it, so callers can pass optional CLI flags straight through.
     """
     environ = _renamed_in(os.environ if environ is None else environ)
@@ -478,5 +487,10 @@ def settings_table() -> str:
         "| Variable | Default | Accepts | What it does |",
         "|---|---|---|---|",
     ]
-    rows += [f"| `{v.name}` | {v.shown_default} | {v.expected} | {v.help} |" for v in REGISTRY]
+    was = {new: PREFIX + old.upper() for old, new in RENAMED.items()}
+    rows += [
+        f"| `{v.name}`{f' (was `{was[v.field]}`)' if v.field in was else ''} | "
+        f"{v.shown_default} | {v.expected} | {v.help} |"
+        for v in REGISTRY
+    ]
     return "\n".join(rows)

@@ -22,9 +22,9 @@ from tests.hubserver import hub as hub
 
 # Small ranges so a few MiB exercise many spans per file; quick backoff.
 FAST = {
-    "chunk_bytes": "64K",
+    "span_bytes": "64K",
     "split_threshold_bytes": "128K",
-    "hydrate_workers": 4,
+    "readers": 4,
     "retry_base_ms": 1,
     "retry_max_ms": 4,
     "progress": False,
@@ -199,5 +199,5 @@ def volume(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.setenv("LOADERPLUG_MIRROR", str(vol))
     monkeypatch.setenv("LOADERPLUG_FSYNC", "0")
     monkeypatch.setenv("LOADERPLUG_PROGRESS", "0")
-    monkeypatch.setenv("LOADERPLUG_HYDRATE_WORKERS", "3")
+    monkeypatch.setenv("LOADERPLUG_READERS", "3")
     return vol

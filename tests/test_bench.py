@@ -30,8 +30,8 @@ def test_a_per_stream_capped_volume_is_told_to_use_more_streams(tmp_path: Path) 
     one, eight = result.trials
     assert eight.mib_per_s > 2 * one.mib_per_s, result.summary()
     assert result.best is eight
-    assert "export LOADERPLUG_HYDRATE_WORKERS=8" in result.summary()
-    assert "export LOADERPLUG_CHUNK_BYTES=256KiB" in result.summary()
+    assert "export LOADERPLUG_READERS=8" in result.summary()
+    assert "export LOADERPLUG_SPAN_BYTES=256KiB" in result.summary()
     assert "buffered" in result.policy
     # Read-only, and every byte a trial counted came from the volume.
     assert stats["writes"] == 0 and tree_bytes(backing) == before

@@ -35,7 +35,7 @@ def test_hydrate_prints_a_report_and_exits_zero(model: Path, tmp_path: Path) -> 
     done = run("hydrate", "--from", str(model), "--to", str(tmp_path / "l"), "--workers", "32")
     assert done.returncode == 0, done.stderr
     # 32 workers share 512 MiB in flight (16 MiB each); a 2 MiB model gets 4 MiB ranges.
-    assert "6 restored" in done.stdout and "32 workers x 4 MiB" in done.stdout
+    assert "6 restored" in done.stdout and "32 readers x 4 MiB spans" in done.stdout
     assert tree_bytes(tmp_path / "l") == tree_bytes(model)
 
 
@@ -54,7 +54,7 @@ def test_json_report(model: Path, tmp_path: Path) -> None:
     )
     report = json.loads(done.stdout)
     assert report["restored"] == 6 and report["failed"] == 0
-    assert report["workers"] == 4 and report["chunk_bytes"] == 65536
+    assert report["readers"] == 4 and report["span_bytes"] == 65536
     assert report["bytes_copied"] == sum(len(b) for b in tree_bytes(model).values())
 
 
@@ -139,15 +139,15 @@ def test_progress_bar_shows_on_a_terminal_only(model: Path, tmp_path: Path) -> N
 def test_bad_flag_is_named_as_a_flag(model: Path, tmp_path: Path) -> None:
     done = run("hydrate", "--from", str(model), "--to", str(tmp_path / "l"), "--workers", "0")
     assert done.returncode == 2
-    assert "--workers='0' is invalid: expected auto, or an integer from 1 to 512" in done.stderr
+    assert "--readers='0' is invalid: expected auto, or an integer from 1 to 512" in done.stderr
 
 
 def test_doctor_shows_each_decision_and_where_settings_came_from(tmp_path: Path) -> None:
-    done = run("doctor", str(tmp_path), "/dev/shm", env={"LOADERPLUG_HYDRATE_WORKERS": "4"})
+    done = run("doctor", str(tmp_path), "/dev/shm", env={"LOADERPLUG_READERS": "4"})
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
     assert lines[1].startswith("/dev/shm: tmpfs") and "buffered" in lines[1]
-    assert "LOADERPLUG_HYDRATE_WORKERS=4  (environment)" in done.stdout
+    assert "LOADERPLUG_READERS=4  (environment)" in done.stdout
     assert "LOADERPLUG_BYTES_IN_FLIGHT=512 MiB  (default)" in done.stdout
 
 
@@ -182,6 +182,6 @@ def test_exit_codes_say_done_failed_usage(model: Path, tmp_path: Path) -> None:
     missing = run("hydrate", "--from", str(tmp_path / "absent"), "--to", str(tmp_path / "m"))
     assert missing.returncode == 1 and "is not a folder" in missing.stderr
     bad_flag = run("hydrate", "--from", str(model), "--to", str(tmp_path / "m"), "--workers", "x")
-    assert bad_flag.returncode == 2 and "--workers='x' is invalid" in bad_flag.stderr
+    assert bad_flag.returncode == 2 and "--readers='x' is invalid" in bad_flag.stderr
     unknown = run("hydrate", "--from", str(model))  # --to missing: argparse's own usage error
     assert unknown.returncode == 2

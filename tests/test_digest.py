@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from loaderplug.errors import HydrateError
+from loaderplug.errors import FileError
 from loaderplug.jobs.digest import DigestSink, Expected, ReorderWindow
 
 DATA = os.urandom(1 << 20)
@@ -52,7 +52,7 @@ def test_a_copy_that_does_not_match_its_name_is_refused() -> None:
     rereads: list[int] = []
     digest = DigestSink("blob", 5, expected, ReorderWindow(10), lambda: iter([b"hellO"]))
     digest.write(memoryview(b"hellO"), 0)
-    with pytest.raises(HydrateError, match="does not match its name"):
+    with pytest.raises(FileError, match="does not match its name"):
         digest.commit()
     good = DigestSink("blob", 5, expected, ReorderWindow(10), lambda: iter(()))
     good.write(memoryview(b"hello"), 0)

@@ -26,7 +26,7 @@ def test_hydrate_restores_every_file_byte_identical(model: Path, tmp_path: Path)
 
 def test_reads_interleave_across_files(model: Path, tmp_path: Path, inject) -> None:
     spy = inject(errno.EIO, match="", times=0)
-    hydrate(model, tmp_path / "local", **{**FAST, "hydrate_workers": 1})
+    hydrate(model, tmp_path / "local", **{**FAST, "readers": 1})
     shards = [Path(p).name for p, _ in spy.reads if p.endswith(".safetensors")]
     # With one worker the read order is the plan's order: shard 1, 2, 3, 4, 1, 2, ...
     assert shards[:8] == [f"model-{i:05d}-of-00004.safetensors" for i in (1, 2, 3, 4)] * 2
@@ -196,9 +196,9 @@ def test_an_explicit_chunk_is_kept_and_the_budget_limits_the_workers(
     model: Path, tmp_path: Path
 ) -> None:
     report = hydrate(
-        model, tmp_path / "local", chunk_bytes="1M", bytes_in_flight="2M", progress=False
+        model, tmp_path / "local", span_bytes="1M", bytes_in_flight="2M", progress=False
     )
-    assert report.workers == 2 and report.chunk_bytes == 1 << 20
+    assert report.readers == 2 and report.span_bytes == 1 << 20
     assert tree_bytes(tmp_path / "local") == tree_bytes(model)
 
 
@@ -209,7 +209,7 @@ def test_direct_and_buffered_writes_give_identical_files(
 ) -> None:
     # 64 KiB ranges are aligned (direct writes, buffered tails); 5000-byte ranges are
     # not, so every write past the first goes through the page cache.
-    settings = {**FAST, "chunk_bytes": chunk, "direct_io": direct_io}
+    settings = {**FAST, "span_bytes": chunk, "direct_io": direct_io}
     hydrate(model, tmp_path / "local", **settings)
     assert tree_bytes(tmp_path / "local") == tree_bytes(model)
 

@@ -37,7 +37,7 @@ def fuse_mirror(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Tes
     backing = tmp_path / "backing"
     backing.mkdir()
     write_shards(backing, count=3)
-    monkeypatch.setenv("LOADERPLUG_LOCAL_DIR", str(tmp_path / "copies"))
+    monkeypatch.setenv("LOADERPLUG_LOCAL_COPIES", str(tmp_path / "copies"))
     monkeypatch.setenv("LOADERPLUG_PROGRESS", "0")
     monkeypatch.setenv("LOADERPLUG_FSYNC", "0")
     with mounted(backing, tmp_path / "mnt", VolumeProfile(per_stream_bytes_per_s=32 * MiB)) as v:

@@ -358,11 +358,11 @@ def test_a_broken_setting_falls_back_to_the_download(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     hub.add_repo(REPO, FILES)
-    monkeypatch.setenv("LOADERPLUG_HYDRATE_WORKERS", "lots")
+    monkeypatch.setenv("LOADERPLUG_READERS", "lots")
     with caplog.at_level(logging.WARNING):
         path = worker_one(hub, tmp_path)
     assert snapshot_bytes(path) == FILES
-    assert any("LOADERPLUG_HYDRATE_WORKERS" in r.getMessage() for r in caplog.records)
+    assert any("LOADERPLUG_READERS" in r.getMessage() for r in caplog.records)
 
 
 # -- mirrors written before huggingface_hub kept listings, and Hub outages -------------

@@ -58,7 +58,7 @@ def test_enomem_storm_under_load_is_retried_and_bytes_are_identical(
     # backoff spreads the retries out until every range gets through.
     settings = {
         **FAST,
-        "hydrate_workers": 6,
+        "readers": 6,
         "retry_base_ms": 20,
         "retry_max_ms": 300,
         "retry_attempts": 12,
@@ -82,10 +82,10 @@ def test_auto_workers_back_off_below_the_in_flight_count_that_draws_enomem(
     )
     (tmp_path / "mnt").mkdir()
     with mounted(backing, tmp_path / "mnt", profile) as vol:
-        report = hydrate(vol.mountpoint, tmp_path / "local", **{**FAST, "hydrate_workers": "auto"})
+        report = hydrate(vol.mountpoint, tmp_path / "local", **{**FAST, "readers": "auto"})
         assert vol.stats()["faults_injected"] > 0
     assert report.ok and report.retries > 0
-    assert report.workers_range is not None and report.workers_range[0] <= 4
+    assert report.readers_range is not None and report.readers_range[0] <= 4
     assert "(auto, " in report.summary(), report.summary()
     assert tree_bytes(tmp_path / "local") == tree_bytes(backing)
 

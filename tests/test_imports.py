@@ -10,6 +10,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+from loaderplug.glossary import LAYERS
+
 REPO = Path(__file__).resolve().parent.parent
 # Where the package lives.
 ROOTS = {"loaderplug": REPO / "loaderplug"}
@@ -139,22 +141,6 @@ def test_relative_and_lazy_imports_are_seen(tmp_path: Path) -> None:
         "loaderplug.report",
         "loaderplug.settings",
     }
-
-
-# The package's layers, lowest first: a module imports only from its own layer and the
-# ones below. The vocabulary is the package root's modules (its ``__init__``, the public
-# API, sits on top of everything).
-LAYERS = (
-    "vocabulary",
-    "storage",
-    "engine",
-    "plugins",
-    "jobs",
-    "tensors",
-    "integrations",
-    "testing",
-    "cli",
-)
 
 
 def layer_of(module: str) -> int | None:

@@ -26,8 +26,8 @@ WORKERS = 4
 
 def start(command: list[str], delay_s: float, read_log: Path) -> subprocess.Popen[str]:
     env = {
-        "LOADERPLUG_CHUNK_BYTES": str(CHUNK),
-        "LOADERPLUG_HYDRATE_WORKERS": str(WORKERS),
+        "LOADERPLUG_SPAN_BYTES": str(CHUNK),
+        "LOADERPLUG_READERS": str(WORKERS),
         "LOADERPLUG_SPLIT_THRESHOLD_BYTES": "512K",  # ranges, not one whole-file read
         # Through the helper even undelayed (1 ns): its log counts the reads.
         "SLOW_HYDRATE_READ_LOG": str(read_log),

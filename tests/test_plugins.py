@@ -92,25 +92,30 @@ def test_loaderplug_open_source(model: Path, tmp_path: Path, register_plugin) ->
     }
 
 
-def test_loaderplug_on_range_done(model: Path, tmp_path: Path, register_plugin) -> None:
-    ranges: dict[str, list[tuple[int, int]]] = {}
+@pytest.mark.parametrize("hook", ["loaderplug_on_span_done", "loaderplug_on_range_done"])
+def test_loaderplug_on_span_done(model: Path, tmp_path: Path, register_plugin, hook: str) -> None:
+    """Every span lands once, in order; the hook's old name still works, with a warning."""
+    spans_seen: dict[str, list[tuple[int, int]]] = {}
     lock = threading.Lock()
 
-    class Ranges:
-        @hookimpl
-        def loaderplug_on_range_done(
-            self, job: str, path: str, offset: int, length: int, retries: int
-        ) -> None:
-            with lock:
-                ranges.setdefault(path, []).append((offset, offset + length))
+    def span_done(
+        self: object, job: str, path: str, offset: int, length: int, retries: int
+    ) -> None:
+        with lock:
+            spans_seen.setdefault(path, []).append((offset, offset + length))
 
-    register_plugin(Ranges())
+    plugin = type("Spans", (), {hook: hookimpl(span_done)})()
+    if hook == "loaderplug_on_range_done":
+        with pytest.warns(DeprecationWarning, match="now loaderplug_on_span_done"):
+            register_plugin(plugin)
+    else:
+        register_plugin(plugin)
     hydrate(model, tmp_path / "local", **FAST)
     for rel, data in tree_bytes(model).items():
-        spans = sorted(ranges[rel])
+        spans = sorted(spans_seen[rel])
         assert spans[0][0] == 0 and spans[-1][1] == len(data)
         assert all(a[1] == b[0] for a, b in itertools.pairwise(spans))
-    assert len(ranges["model-00001-of-00004.safetensors"]) > 1
+    assert len(spans_seen["model-00001-of-00004.safetensors"]) > 1
 
 
 def test_loaderplug_on_file_done(model: Path, tmp_path: Path, register_plugin) -> None:
@@ -211,7 +216,7 @@ def test_an_observer_that_raises_does_not_fail_the_copy(
 ) -> None:
     class Broken:
         @hookimpl
-        def loaderplug_on_range_done(
+        def loaderplug_on_span_done(
             self, job: str, path: str, offset: int, length: int, retries: int
         ) -> None:
             raise RuntimeError("metrics backend down")
@@ -219,11 +224,11 @@ def test_an_observer_that_raises_does_not_fail_the_copy(
     register_plugin(Broken())
     report = hydrate(model, tmp_path / "local", **FAST)
     assert report.ok and tree_bytes(tmp_path / "local") == tree_bytes(model)
-    assert "loaderplug_on_range_done raised" in caplog.text
+    assert "loaderplug_on_span_done raised" in caplog.text
 
 
 OBSERVE_HOOKS = (
-    "loaderplug_on_range_done",
+    "loaderplug_on_span_done",
     "loaderplug_on_file_done",
     "loaderplug_on_tensor_ready",
     "loaderplug_on_job_done",
@@ -239,7 +244,7 @@ def raising_observer(hook: str) -> object:
     plugin = types.SimpleNamespace()
     # pluggy reads an implementation's arguments from its signature: take them all.
     argnames = {
-        "loaderplug_on_range_done": "job, path, offset, length, retries",
+        "loaderplug_on_span_done": "job, path, offset, length, retries",
         "loaderplug_on_file_done": "job, result",
         "loaderplug_on_tensor_ready": "job, path, name, tensor",
         "loaderplug_on_job_done": "report",
@@ -288,7 +293,7 @@ def test_an_observer_that_raises_fails_no_job_and_is_logged_once_per_job(
     # Each job that called the hook says once that the observer failed, however often.
     jobs_that_call_it = {
         # Not the all-skipped hydrate, nor a load served from the page cache by mapping.
-        "loaderplug_on_range_done": sum(r.bytes_copied > 0 for r in reports),
+        "loaderplug_on_span_done": sum(r.bytes_copied > 0 for r in reports),
         "loaderplug_on_file_done": 5,
         "loaderplug_on_tensor_ready": 2,  # the loads
         "loaderplug_on_job_done": 5,

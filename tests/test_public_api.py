@@ -25,7 +25,7 @@ def test_every_public_name_is_importable() -> None:
 def test_choice_settings_accept_exactly_their_literal_types() -> None:
     literals = {
         "direct_io": loaderplug.DirectIO,
-        "reader": loaderplug.WeightsReader,
+        "weights_reader": loaderplug.WeightsReader,
         "distributed": loaderplug.Distributed,
         "rank_sharing": loaderplug.RankSharing,
     }
@@ -83,3 +83,11 @@ def test_a_users_code_type_checks_strictly(tmp_path: Path) -> None:
         text=True,
     )
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_a_renamed_exception_is_importable_under_its_old_name_for_a_release() -> None:
+    with pytest.warns(DeprecationWarning, match="HydrateError is now FileError"):
+        from loaderplug.errors import HydrateError  # type: ignore[attr-defined]
+    assert HydrateError is loaderplug.FileError
+    with pytest.warns(DeprecationWarning):
+        assert loaderplug.HydrateError is loaderplug.FileError  # type: ignore[attr-defined]

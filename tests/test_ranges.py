@@ -64,7 +64,7 @@ def test_plan_is_lazy() -> None:
 
 
 def test_workers_alone_scale_the_chunk_to_the_budget() -> None:
-    s = from_env({"LOADERPLUG_HYDRATE_WORKERS": "32"})
+    s = from_env({"LOADERPLUG_READERS": "32"})
     assert chunk_for_source(s) == 16 * MiB
     assert default_sizing(s).workers == 32
 
@@ -74,18 +74,18 @@ def test_derived_chunk_is_capped_at_64_mib() -> None:
 
 
 def test_explicit_chunk_is_never_rescaled_and_the_budget_limits_workers() -> None:
-    s = from_env({"LOADERPLUG_CHUNK_BYTES": "256M"})
+    s = from_env({"LOADERPLUG_SPAN_BYTES": "256M"})
     assert chunk_for_source(s) == 256 * MiB
     assert default_sizing(s).workers == 2  # 512 MiB in flight / 256 MiB
 
 
 def test_auto_workers_split_the_budget_for_the_most_readers_auto_may_run() -> None:
-    s = from_env({"LOADERPLUG_HYDRATE_WORKERS": " Auto "})
-    assert is_adaptive(s) and s.hydrate_workers == "auto"
+    s = from_env({"LOADERPLUG_READERS": " Auto "})
+    assert is_adaptive(s) and s.readers == "auto"
     assert (chunk_for_source(s), default_sizing(s).workers) == (16 * MiB, 32)
     # Small jobs are fitted for the sixteen workers auto starts with, as for sixteen
     # fixed workers.
-    fixed = from_env({"LOADERPLUG_HYDRATE_WORKERS": "16"})
+    fixed = from_env({"LOADERPLUG_READERS": "16"})
     assert chunk_for_job(s, 1024 * MiB) == chunk_for_job(fixed, 1024 * MiB) == 8 * MiB
     assert chunk_for_job(s, 4096 * MiB) == 16 * MiB
     # From a local disk auto reads long ranges, at most 8 at once, whatever the job.
@@ -93,5 +93,5 @@ def test_auto_workers_split_the_budget_for_the_most_readers_auto_may_run() -> No
     assert workers_for_chunk(s, 64 * MiB) == 8
     assert chunk_for_job(fixed, 1024 * MiB, network=False) == 8 * MiB
     # An explicit chunk leaves room for fewer readers within the same budget.
-    explicit = from_env({"LOADERPLUG_HYDRATE_WORKERS": "auto", "LOADERPLUG_CHUNK_BYTES": "64M"})
+    explicit = from_env({"LOADERPLUG_READERS": "auto", "LOADERPLUG_SPAN_BYTES": "64M"})
     assert default_sizing(explicit).workers == 8

@@ -80,7 +80,7 @@ def test_first_tensor_arrives_before_the_last_range_lands(
             return SlowSource(path, policy)
 
         @hookimpl
-        def loaderplug_on_range_done(
+        def loaderplug_on_span_done(
             self, job: str, path: str, offset: int, length: int, retries: int
         ) -> None:
             with lock:
@@ -88,7 +88,7 @@ def test_first_tensor_arrives_before_the_last_range_lands(
 
     plugin = Observe()
     register_plugin(plugin)
-    for _name, _tensor in iter_tensors(shards, **{**STREAMED, "hydrate_workers": 2}):
+    for _name, _tensor in iter_tensors(shards, **{**STREAMED, "readers": 2}):
         with lock:
             events.append("tensor")
     first_tensor = events.index("tensor")
@@ -120,7 +120,7 @@ def test_one_pass_failure_names_the_file_and_never_yields_a_partial_tensor(
         for name, tensor in iter_tensors(
             shards,
             local_dir=tmp_path / "local",
-            **{**FAST, "chunk_bytes": "4K", "split_threshold_bytes": 0},
+            **{**FAST, "span_bytes": "4K", "split_threshold_bytes": 0},
         ):
             seen[name] = tensor
     assert "model-2.safetensors" in str(info.value)
@@ -173,7 +173,7 @@ def test_a_tail_shorter_than_the_alignment_reads_whole(
 
     plugin = Wide()
     register_plugin(plugin)
-    load = iter_tensors([path], chunk_bytes="64K", split_threshold_bytes=0)
+    load = iter_tensors([path], span_bytes="64K", split_threshold_bytes=0)
     got = dict(load)
     assert load.io_modes[str(path)].startswith("direct")
     assert all(same(got[k], v) for k, v in safetensors_torch.load_file(str(path)).items())

@@ -33,9 +33,9 @@ def start_one_pass(mirror: Path, local: Path, delay_s: float) -> subprocess.Pope
     """``loaderplug load --from MIRROR --to LOCAL --json``, every read slowed down."""
     args = ["load", "--from", str(mirror), "--to", str(local), "--json"]
     env = {
-        "LOADERPLUG_CHUNK_BYTES": "64K",
+        "LOADERPLUG_SPAN_BYTES": "64K",
         "LOADERPLUG_SPLIT_THRESHOLD_BYTES": "128K",
-        "LOADERPLUG_HYDRATE_WORKERS": "4",
+        "LOADERPLUG_READERS": "4",
     }
     return slowed.start(args, delay_s, env)
 

@@ -6,13 +6,13 @@ import pytest
 
 from loaderplug.engine.sizing import chunk_for_source, default_sizing, workers_for_chunk
 from loaderplug.errors import SettingsError
-from loaderplug.settings import from_env
+from loaderplug.settings import BY_FIELD, RENAMED, from_env
 from loaderplug.units import GiB, MiB
 
 
 def test_defaults() -> None:
     s = from_env({})
-    assert (s.hydrate_workers, s.bytes_in_flight, chunk_for_source(s)) == (
+    assert (s.readers, s.bytes_in_flight, chunk_for_source(s)) == (
         "auto",
         512 * MiB,
         16 * MiB,
@@ -20,7 +20,7 @@ def test_defaults() -> None:
     # Auto may climb to 32 readers of 16 MiB; 64 MiB ranges would leave room for 8.
     assert default_sizing(s).workers == 32
     assert workers_for_chunk(s, 64 * MiB) == 8
-    assert s.fsync is True and s.chunk_bytes is None
+    assert s.fsync is True and s.span_bytes is None
     assert all(src == "default" for src in s.origins.values())
 
 
@@ -38,23 +38,23 @@ def test_defaults() -> None:
     ],
 )
 def test_sizes_accept_binary_suffixes(raw: str, expected: int) -> None:
-    assert from_env({"LOADERPLUG_CHUNK_BYTES": raw}).chunk_bytes == expected
+    assert from_env({"LOADERPLUG_SPAN_BYTES": raw}).span_bytes == expected
 
 
 def test_bad_size_names_variable_value_form_and_range() -> None:
     with pytest.raises(SettingsError) as info:
-        from_env({"LOADERPLUG_CHUNK_BYTES": "12Q"})
+        from_env({"LOADERPLUG_SPAN_BYTES": "12Q"})
     assert str(info.value) == (
-        "LOADERPLUG_CHUNK_BYTES='12Q' is invalid: expected a size in bytes such as 64M or 1GiB, "
+        "LOADERPLUG_SPAN_BYTES='12Q' is invalid: expected a size in bytes such as 64M or 1GiB, "
         "from 4 KiB to 4 GiB"
     )
 
 
 def test_out_of_range_int_is_refused_with_its_range() -> None:
     with pytest.raises(SettingsError) as info:
-        from_env({"LOADERPLUG_HYDRATE_WORKERS": "0"})
+        from_env({"LOADERPLUG_READERS": "0"})
     assert str(info.value) == (
-        "LOADERPLUG_HYDRATE_WORKERS='0' is invalid: expected auto, or an integer from 1 to 512"
+        "LOADERPLUG_READERS='0' is invalid: expected auto, or an integer from 1 to 512"
     )
 
 
@@ -64,18 +64,17 @@ def test_zero_is_a_value_not_a_default() -> None:
 
 
 def test_empty_means_unset() -> None:
-    s = from_env({"LOADERPLUG_HYDRATE_WORKERS": "", "LOADERPLUG_CHUNK_BYTES": "  "})
-    assert s.hydrate_workers == "auto" and s.chunk_bytes is None
-    assert s.origins["hydrate_workers"] == "default"
+    s = from_env({"LOADERPLUG_READERS": "", "LOADERPLUG_SPAN_BYTES": "  "})
+    assert s.readers == "auto" and s.span_bytes is None
+    assert s.origins["readers"] == "default"
 
 
 @pytest.mark.parametrize("value", [True, False])
 def test_bool_is_rejected_where_an_int_is_expected(value: bool) -> None:
     with pytest.raises(SettingsError) as info:
-        from_env({}, hydrate_workers=value)
+        from_env({}, readers=value)
     assert str(info.value) == (
-        f"LOADERPLUG_HYDRATE_WORKERS={value!r} is invalid: "
-        "expected auto, or an integer from 1 to 512"
+        f"LOADERPLUG_READERS={value!r} is invalid: expected auto, or an integer from 1 to 512"
     )
 
 
@@ -85,8 +84,8 @@ def test_bool_word_is_rejected_for_an_int_variable() -> None:
 
 
 def test_bool_is_rejected_for_a_size() -> None:
-    with pytest.raises(SettingsError, match=r"LOADERPLUG_CHUNK_BYTES=True is invalid"):
-        from_env({}, chunk_bytes=True)
+    with pytest.raises(SettingsError, match=r"LOADERPLUG_SPAN_BYTES=True is invalid"):
+        from_env({}, span_bytes=True)
 
 
 @pytest.mark.parametrize(
@@ -117,23 +116,23 @@ def test_unknown_variable_warns_with_the_closest_name() -> None:
         from_env({"LOADERPLUG_HYDRATE_WORKER": "4"})
     assert str(record[0].message) == (
         "LOADERPLUG_HYDRATE_WORKER is not a loaderplug setting and is ignored; "
-        "did you mean LOADERPLUG_HYDRATE_WORKERS?"
+        "did you mean LOADERPLUG_READERS?"
     )
 
 
 def test_overrides_win_over_the_environment_and_are_checked() -> None:
-    s = from_env({"LOADERPLUG_HYDRATE_WORKERS": "4"}, hydrate_workers=16)
-    assert s.hydrate_workers == 16 and s.origins["hydrate_workers"] == "override"
-    assert from_env({"LOADERPLUG_HYDRATE_WORKERS": "4"}, hydrate_workers=None).hydrate_workers == 4
+    s = from_env({"LOADERPLUG_READERS": "4"}, readers=16)
+    assert s.readers == 16 and s.origins["readers"] == "override"
+    assert from_env({"LOADERPLUG_READERS": "4"}, readers=None).readers == 4
     with pytest.raises(SettingsError) as info:
         from_env({}, hydrate_worker=3)
-    assert str(info.value) == "unknown setting 'hydrate_worker'; did you mean 'hydrate_workers'?"
+    assert str(info.value) == "unknown setting 'hydrate_worker'; did you mean 'readers'?"
 
 
 def test_settings_are_frozen() -> None:
     s = from_env({})
     with pytest.raises(AttributeError):
-        s.hydrate_workers = 3  # type: ignore[misc]
+        s.readers = 3  # type: ignore[misc]
 
 
 def test_disable_plugins_is_a_list_of_names() -> None:
@@ -141,17 +140,37 @@ def test_disable_plugins_is_a_list_of_names() -> None:
     assert s.disable_plugins == ("a", "b", "c")
 
 
-def test_a_renamed_setting_keeps_its_old_name_for_a_release() -> None:
-    with pytest.warns(DeprecationWarning, match="LOADERPLUG_VOLUME.*now mirror"):
-        old_variable = from_env({"LOADERPLUG_VOLUME": "/mnt/old"})
-    assert old_variable.mirror == "/mnt/old"
-    with pytest.warns(DeprecationWarning):  # the new name wins over the old one
-        both = from_env({"LOADERPLUG_VOLUME": "/mnt/old", "LOADERPLUG_MIRROR": "/mnt/new"})
-    assert both.mirror == "/mnt/new"
-    with pytest.warns(DeprecationWarning, match="now mirror"):
-        old_keyword = from_env({}, volume="/mnt/kw")
-    assert old_keyword.mirror == "/mnt/kw"
-    with pytest.warns(DeprecationWarning, match="now mirror"):
-        assert old_keyword.volume == "/mnt/kw"
+OLD_VALUES = {
+    "volume": "/mnt/old",
+    "hydrate_workers": "4",
+    "chunk_bytes": "8M",
+    "local_dir": "/local/old",
+    "reader": "fastsafetensors",
+}
+NEW_VALUES = {
+    "mirror": "/mnt/new",
+    "readers": "8",
+    "span_bytes": "16M",
+    "local_copies": "/local/new",
+    "weights_reader": "loaderplug",
+}
+
+
+@pytest.mark.parametrize("old", sorted(RENAMED))
+def test_a_renamed_setting_keeps_its_old_name_for_a_release(old: str) -> None:
+    new, raw = RENAMED[old], OLD_VALUES[old]
+    want = from_env({}, **{new: raw}).__dict__[new]
+    with pytest.warns(DeprecationWarning, match=f"{old.upper()}.*now {new}"):
+        assert from_env({f"LOADERPLUG_{old.upper()}": raw}).__dict__[new] == want
+    with pytest.warns(DeprecationWarning, match=f"now {new}"):
+        settings = from_env({}, **{old: raw})
+    assert settings.__dict__[new] == want
+    with pytest.warns(DeprecationWarning, match=f"now {new}"):
+        assert getattr(settings, old) == want
+    with pytest.warns(DeprecationWarning, match=f"now {new}"):
+        assert from_env({}).replace(**{old: raw}).__dict__[new] == want
+    # Both set: the new name wins.
+    both = {f"LOADERPLUG_{old.upper()}": raw, f"LOADERPLUG_{new.upper()}": NEW_VALUES[new]}
     with pytest.warns(DeprecationWarning):
-        assert from_env({}).replace(volume="/mnt/r").mirror == "/mnt/r"
+        assert from_env(both).__dict__[new] == from_env({}, **{new: NEW_VALUES[new]}).__dict__[new]
+    assert RENAMED.keys().isdisjoint(BY_FIELD)  # an old name is never a field again

@@ -96,7 +96,7 @@ def test_a_write_larger_than_a_staging_buffer_is_staged_in_pieces(
     shards: list[Path], late: LateBackend
 ) -> None:
     # 64 KiB ranges through 4 KiB staging buffers.
-    settings = {**STREAMED, "chunk_bytes": "64K", "bytes_in_flight": "128K"}
+    settings = {**STREAMED, "span_bytes": "64K", "bytes_in_flight": "128K"}
     got = dict(iter_tensors(shards, "late", **settings))
     assert all(same(got[n], t) for n, t in reference(shards).items())
     assert late.pinned_made <= 32

@@ -53,7 +53,7 @@ def vllm_env(mirror: Mirror, local_dir: Path) -> dict[str, str]:
         "HOME": os.environ.get("HOME", str(mirror.root)),
         "PYTHONPATH": str(REPO),
         "TMPDIR": str(mirror.root),
-        "LOADERPLUG_LOCAL_DIR": str(local_dir),
+        "LOADERPLUG_LOCAL_COPIES": str(local_dir),
         "LOADERPLUG_PROGRESS": "0",
     }
 
@@ -105,7 +105,7 @@ def test_volcache_reading_through_fastsafetensors_generates_the_same(
             {"model": str(mirror.on_mount), "load_format": "volcache"},
             {"model": str(mirror.original), "load_format": "safetensors"},
         ],
-        LOADERPLUG_READER="fastsafetensors",
+        LOADERPLUG_WEIGHTS_READER="fastsafetensors",
     )
     assert through_fst["ok"] and safetensors["ok"], (through_fst, safetensors)
     assert through_fst["token_ids"] == safetensors["token_ids"]
@@ -172,7 +172,7 @@ def test_bad_input_fails_with_a_clear_message(mirror: Mirror, tmp_path: Path) ->
             {
                 "model": str(mirror.original),
                 "load_format": "volcache",
-                "llm": {"model_loader_extra_config": {"chunk_bytes": "huge"}},
+                "llm": {"model_loader_extra_config": {"span_bytes": "huge"}},
             },
         ],
     )
@@ -185,8 +185,10 @@ def test_bad_input_fails_with_a_clear_message(mirror: Mirror, tmp_path: Path) ->
     assert "model-00003-of-00003.safetensors" in corrupt_error
     assert "header" in corrupt_error
     assert "unknown --model-loader-extra-config key(s) 'workerz'" in key_error
-    assert "valid keys: bytes_in_flight, chunk_bytes, direct_io" in key_error
-    assert "chunk_bytes='huge' is invalid" in value_error
+    assert "valid keys: bytes_in_flight, direct_io, local_copies, mirror, readers, span_bytes" in (
+        key_error
+    )
+    assert "span_bytes='huge' is invalid" in value_error
 
 
 TP2 = {"tensor_parallel_size": 2, "distributed_executor_backend": "mp"}

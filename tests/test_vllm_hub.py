@@ -47,7 +47,7 @@ def run_vllm(
         "PYTHONPATH": str(REPO_ROOT),
         "TMPDIR": str(home),
         "LOADERPLUG_MIRROR": str(volume),
-        "LOADERPLUG_LOCAL_DIR": str(home / "loaderplug"),
+        "LOADERPLUG_LOCAL_COPIES": str(home / "loaderplug"),
         "LOADERPLUG_PROGRESS": "0",
         **client_env(hub.endpoint, home),
         "HF_HUB_OFFLINE": "0",

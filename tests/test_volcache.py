@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -61,7 +62,7 @@ def test_a_folder_without_weights_is_a_clear_error(tmp_path: Path) -> None:
 def test_a_local_folder_is_read_in_place(tmp_path: Path) -> None:
     shards = write_shards(tmp_path)
     weights = volcache.locate_weights(
-        str(tmp_path), None, from_env(local_dir=str(tmp_path / "copies"))
+        str(tmp_path), None, from_env(local_copies=str(tmp_path / "copies"))
     )
     assert weights.local_copy is None and weights.files == shards
     got = dict(volcache.stream(weights, from_env(**QUIET)))
@@ -73,7 +74,7 @@ def test_a_folder_under_the_volume_is_hydrated_once_then_read_locally(tmp_path: 
     model = volume / "models" / "tiny"
     model.mkdir(parents=True)
     shards = write_shards(model)
-    settings = from_env(mirror=str(volume), local_dir=str(tmp_path / "copies"), **QUIET)
+    settings = from_env(mirror=str(volume), local_copies=str(tmp_path / "copies"), **QUIET)
     weights = volcache.locate_weights(str(model), None, settings)
     assert weights.local_copy is not None and weights.local_copy.parent == tmp_path / "copies"
     got = dict(volcache.stream(weights, settings))
@@ -100,7 +101,7 @@ def test_a_repo_id_is_found_in_the_mirrors_hub_layout(tmp_path: Path) -> None:
     shards = write_shards(snapshot)
     (repo / "refs").mkdir()
     (repo / "refs" / "main").write_text(commit)
-    settings = from_env(mirror=str(volume), local_dir=str(tmp_path / "copies"), **QUIET)
+    settings = from_env(mirror=str(volume), local_copies=str(tmp_path / "copies"), **QUIET)
     weights = volcache.locate_weights("acme/tiny", None, settings)
     assert weights.folder == snapshot and weights.files == shards
     assert weights.local_copy is not None and weights.local_copy.name.startswith("acme--tiny-")
@@ -123,7 +124,7 @@ def test_an_unknown_model_names_every_place_it_looked(
 
 def test_bad_settings_fail_before_any_read() -> None:
     with pytest.raises(SettingsError):
-        from_env(hydrate_workers="many")
+        from_env(readers="many")
 
 
 @pytest.fixture
@@ -142,7 +143,7 @@ def test_a_folder_on_a_fuse_mount_is_a_mirror(
 ) -> None:
     vol, _shards = fuse_mirror
     weights = volcache.locate_weights(
-        str(vol.mountpoint), None, from_env(local_dir=str(tmp_path / "c"))
+        str(vol.mountpoint), None, from_env(local_copies=str(tmp_path / "c"))
     )
     assert weights.local_copy is not None
 
@@ -168,7 +169,7 @@ def test_ranks_loading_at_once_read_the_mirror_once(
     env = {
         "PATH": "/usr/bin:/bin",
         "PYTHONPATH": str(REPO),
-        "LOADERPLUG_LOCAL_DIR": str(tmp_path / "copies"),
+        "LOADERPLUG_LOCAL_COPIES": str(tmp_path / "copies"),
     }
     ranks = [
         subprocess.Popen(
@@ -213,9 +214,23 @@ def test_vllms_plugin_never_fails_a_start_over_its_mirror_hooks(
     collect = Collect()
     lp_vllm.log.addHandler(collect)
     monkeypatch.setenv("LOADERPLUG_MIRROR", str(tmp_path))
-    monkeypatch.setenv("LOADERPLUG_CHUNK_BYTES", "huge")
+    monkeypatch.setenv("LOADERPLUG_SPAN_BYTES", "huge")
     try:
         lp_vllm._install_mirror_hooks()
     finally:
         lp_vllm.log.removeHandler(collect)
     assert any("mirror hooks not installed" in m for m in collect.messages)
+
+
+def test_renamed_extra_config_keys_still_work_for_a_release() -> None:
+    from loaderplug.integrations.vllm import settings_from_extra_config
+
+    old = {"workers": 4, "chunk_bytes": "8M", "local_dir": "/local/x", "mirror": "/mnt/m"}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        settings = settings_from_extra_config(old)
+    said = sorted(str(w.message).split(" is now ")[0] for w in caught)
+    assert all(w.category is DeprecationWarning for w in caught)
+    assert said == [f"--model-loader-extra-config key {k!r}" for k in sorted(old) if k != "mirror"]
+    assert (settings.readers, settings.span_bytes) == (4, 8 * MiB)
+    assert (settings.local_copies, settings.mirror) == ("/local/x", "/mnt/m")

@@ -52,7 +52,7 @@ GRID: tuple[tuple[int, int], ...] = (
 @dataclasses.dataclass
 class Trial:
     workers: int
-    chunk_bytes: int
+    span_bytes: int
     bytes_read: int = 0
     seconds: float = 0.0
     transient_errors: int = 0
@@ -63,10 +63,10 @@ class Trial:
 
     def exports(self) -> list[str]:
         return [
-            f"export LOADERPLUG_HYDRATE_WORKERS={self.workers}",
-            f"export LOADERPLUG_CHUNK_BYTES={format_size(self.chunk_bytes).replace(' ', '')}",
+            f"export LOADERPLUG_READERS={self.workers}",
+            f"export LOADERPLUG_SPAN_BYTES={format_size(self.span_bytes).replace(' ', '')}",
             f"export LOADERPLUG_BYTES_IN_FLIGHT="
-            f"{format_size(self.workers * self.chunk_bytes).replace(' ', '')}",
+            f"{format_size(self.workers * self.span_bytes).replace(' ', '')}",
         ]
 
 
@@ -94,12 +94,12 @@ class BenchResult:
         lines = [f"{self.path}: {self.policy}", "workers  range     MiB/s  transient errors"]
         for t in self.trials:
             lines.append(
-                f"{t.workers:7d}  {format_size(t.chunk_bytes):8s} {t.mib_per_s:6.0f}  "
+                f"{t.workers:7d}  {format_size(t.span_bytes):8s} {t.mib_per_s:6.0f}  "
                 f"{t.transient_errors}"
             )
         best = self.best
         lines.append(
-            "# The default, LOADERPLUG_HYDRATE_WORKERS=auto, adapts to the storage while it"
+            "# The default, LOADERPLUG_READERS=auto, adapts to the storage while it"
             " copies;\n# to pin the best fixed setting measured here instead:"
         )
         lines.append(f"# best: {best.mib_per_s:.0f} MiB/s")
@@ -202,12 +202,12 @@ def _trial(
             trial.transient_errors += 1
 
     def worker() -> None:
-        buffer = aligned_buffer(trial.chunk_bytes)
+        buffer = aligned_buffer(trial.span_bytes)
         view = memoryview(buffer)
         try:
             while time.monotonic() < deadline and not failures:
                 with lock:
-                    claim = min(trial.chunk_bytes, byte_budget - reserved[0])
+                    claim = min(trial.span_bytes, byte_budget - reserved[0])
                     if claim <= 0:
                         return
                     reserved[0] += claim

@@ -32,8 +32,19 @@ class _UsageError(Exception):
 def _add_transfer_args(parser: argparse.ArgumentParser, src_help: str, dst_help: str) -> None:
     parser.add_argument("--from", dest="src", required=True, metavar="SRC", help=src_help)
     parser.add_argument("--to", dest="dst", required=True, metavar="DST", help=dst_help)
-    parser.add_argument("--workers", help="worker threads, or auto (LOADERPLUG_HYDRATE_WORKERS)")
-    parser.add_argument("--chunk-bytes", help="range size, e.g. 16M (LOADERPLUG_CHUNK_BYTES)")
+    # --workers and --chunk-bytes: the old names, kept for a release.
+    parser.add_argument(
+        "--readers",
+        "--workers",
+        dest="readers",
+        help="reader threads, or auto (LOADERPLUG_READERS)",
+    )
+    parser.add_argument(
+        "--span-bytes",
+        "--chunk-bytes",
+        dest="span_bytes",
+        help="span size, e.g. 16M (LOADERPLUG_SPAN_BYTES)",
+    )
     parser.add_argument(
         "--bytes-in-flight", help="most bytes read at once, e.g. 512M (LOADERPLUG_BYTES_IN_FLIGHT)"
     )
@@ -83,8 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 FLAGS = {
-    "hydrate_workers": "workers",
-    "chunk_bytes": "chunk_bytes",
+    "readers": "readers",
+    "span_bytes": "span_bytes",
     "bytes_in_flight": "bytes_in_flight",
 }
 

@@ -2,7 +2,7 @@
 
 The engine starts as many reader threads as the bytes-in-flight budget allows, and each
 takes a :class:`Slot` from a limit before it reads a range. :class:`FixedLimit` lets
-``workers`` in. :class:`AdaptiveLimit` (``LOADERPLUG_HYDRATE_WORKERS=auto``) moves its
+``workers`` in. :class:`AdaptiveLimit` (``LOADERPLUG_READERS=auto``) moves its
 limit while the copy runs:
 
 * **Grow** while throughput rises: every window (a quarter second or more, begun after

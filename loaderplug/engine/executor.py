@@ -41,7 +41,7 @@ from loaderplug.engine.file_task import EngineStats, FileTask, check_identity
 from loaderplug.engine.reading import READ_PADDING, Piece, ReadContext, SpanReader, retrying_io
 from loaderplug.engine.retry import Cancelled, RetryPolicy
 from loaderplug.engine.spans import Order, Span, offset_major
-from loaderplug.errors import HydrateError
+from loaderplug.errors import FileError
 from loaderplug.types import FileResult
 
 log = logging.getLogger(__name__)
@@ -258,7 +258,7 @@ class Engine:
             )
         except Cancelled:
             return False
-        except HydrateError as exc:
+        except FileError as exc:
             self._fail(task, exc, piece.span)
             return False
         with self._lock:
@@ -319,6 +319,6 @@ def _stats(engine: Engine, tasks: Sequence[FileTask]) -> EngineStats:
         retries=engine.retries,
         chunk=engine.chunk,
         workers=limit.limit,
-        workers_range=(limit.lowest, limit.highest) if limit.adaptive else None,
+        readers_range=(limit.lowest, limit.highest) if limit.adaptive else None,
         cancelled=engine.cancelled,
     )

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from loaderplug.engine.retry import Cancelled
 from loaderplug.engine.sinks import Sink, SinkRoles
 from loaderplug.engine.spans import Landed, Span
-from loaderplug.errors import HydrateError
+from loaderplug.errors import FileError
 from loaderplug.types import FileResult, Identity, IOPolicy, Status
 
 
@@ -28,7 +28,7 @@ class EngineStats:
     retries: int
     chunk: int
     workers: int
-    workers_range: tuple[int, int] | None
+    readers_range: tuple[int, int] | None
     cancelled: bool
 
 
@@ -92,7 +92,7 @@ class FileTask:
         with self._lock:
             if self.result is not None:
                 return False
-            err = exc if isinstance(exc, HydrateError) else None
+            err = exc if isinstance(exc, FileError) else None
             os_errno = err.errno if err else getattr(exc, "errno", None)
             rng = err.range if err else ((span.offset, span.length) if span else None)
             self.result = FileResult(
@@ -119,7 +119,7 @@ class FileTask:
 
 def check_identity(task: FileTask, now: Identity) -> None:
     if not now.matches(task.identity, inode=task.policy.stable_inodes):
-        raise HydrateError(
+        raise FileError(
             f"source changed while being copied (was {task.identity.describe()}, "
             f"now {now.describe()}); run again once the mirror holds still",
             path=task.src,

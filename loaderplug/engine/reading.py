@@ -21,7 +21,7 @@ from loaderplug.engine.file_task import FileTask, SpanProgress, check_identity
 from loaderplug.engine.retry import LOAD_ERRNOS, Cancelled, RetryPolicy, retrying
 from loaderplug.engine.sinks import PlacingSink
 from loaderplug.engine.spans import Span
-from loaderplug.errors import HydrateError
+from loaderplug.errors import FileError
 from loaderplug.units import KiB, MiB
 
 if TYPE_CHECKING:
@@ -193,7 +193,7 @@ class SpanReader:
                 got = source.pread_into(want, offset + pos)
                 slot.read_done(got, time.perf_counter() - started)
                 if got < n:
-                    raise HydrateError(
+                    raise FileError(
                         f"source is shorter than expected: read ended at byte "
                         f"{offset + pos + got} of {task.size}; the mirror file is truncated "
                         f"or still being written",
@@ -231,9 +231,9 @@ def retrying_io(
             raise Cancelled
         op()
 
-    def give_up(exc: OSError, attempts: int | None) -> HydrateError:
+    def give_up(exc: OSError, attempts: int | None) -> FileError:
         tries = f" after {attempts} attempts" if attempts else ""
-        return HydrateError(
+        return FileError(
             f"{action} bytes {offset}-{offset + length} failed{tries}: {exc.strerror or exc}",
             path=task.src,
             range=(offset, length),

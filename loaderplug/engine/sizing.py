@@ -27,13 +27,13 @@ class SizingSettings(Protocol):
     """The settings sizing reads (:class:`loaderplug.settings.Settings` has them)."""
 
     @property
-    def hydrate_workers(self) -> int | Literal["auto"]: ...
+    def readers(self) -> int | Literal["auto"]: ...
 
     @property
     def bytes_in_flight(self) -> int: ...
 
     @property
-    def chunk_bytes(self) -> int | None: ...
+    def span_bytes(self) -> int | None: ...
 
 
 @dataclass(frozen=True)
@@ -46,21 +46,21 @@ class Sizing:
 
 
 def is_adaptive(settings: SizingSettings) -> bool:
-    """``LOADERPLUG_HYDRATE_WORKERS=auto``: the engine adapts concurrency as it runs."""
-    return settings.hydrate_workers == "auto"
+    """``LOADERPLUG_READERS=auto``: the engine adapts concurrency as it runs."""
+    return settings.readers == "auto"
 
 
 def _split_workers(settings: SizingSettings, *, network: bool) -> int:
     """The worker count the budget is divided by to derive a range size: with auto,
     the most readers it may climb to from a ``network`` source or a local one."""
-    if settings.hydrate_workers != "auto":
-        return settings.hydrate_workers
+    if settings.readers != "auto":
+        return settings.readers
     return AUTO_MAX_WORKERS if network else AUTO_LOCAL_WORKERS
 
 
 def _fit_workers(settings: SizingSettings) -> int:
     """The worker count a small job's ranges are fitted for."""
-    workers = settings.hydrate_workers
+    workers = settings.readers
     return AUTO_START_WORKERS if workers == "auto" else workers
 
 
@@ -71,8 +71,8 @@ def chunk_for_source(settings: SizingSettings, *, network: bool = True) -> int:
     the budget is split for the most readers auto may run from a ``network`` source or a
     local one.
     """
-    if settings.chunk_bytes is not None:
-        return settings.chunk_bytes
+    if settings.span_bytes is not None:
+        return settings.span_bytes
     share = min(
         MAX_DERIVED_CHUNK, settings.bytes_in_flight // _split_workers(settings, network=network)
     )
@@ -91,7 +91,7 @@ def chunk_for_job(settings: SizingSettings, total_bytes: int, *, network: bool =
     disk, where one reader gets the device's pace and no per-stream cap idles the others.
     """
     chunk = chunk_for_source(settings, network=network)
-    if settings.chunk_bytes is not None or (is_adaptive(settings) and not network):
+    if settings.span_bytes is not None or (is_adaptive(settings) and not network):
         return chunk
     per_worker = total_bytes // (_fit_workers(settings) * RANGES_PER_WORKER)
     # A power of two keeps ranges aligned for O_DIRECT and sizes predictable.

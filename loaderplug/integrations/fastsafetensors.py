@@ -18,7 +18,7 @@ Two seams, both fastsafetensors' own:
 * The loader classes. :class:`SafeTensorsFileLoader`, :class:`ParallelLoader` and
   :class:`fastsafe_open` are fastsafetensors' own, with every file that lives on the
   mirror (a network or FUSE mount, or under ``LOADERPLUG_MIRROR``) hydrated to its local
-  copy under ``LOADERPLUG_LOCAL_DIR`` before fastsafetensors reads its header. A later
+  copy under ``LOADERPLUG_LOCAL_COPIES`` before fastsafetensors reads its header. A later
   load on the same host finds the copy current and copies nothing.
 
 vLLM's ``--load-format fastsafetensors`` hydrates before it loads once loaderplug's vLLM

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import time
+import warnings
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -33,13 +34,15 @@ from .upstream import vllm as seam
 LOAD_FORMAT = "volcache"
 # --model-loader-extra-config key -> loaderplug setting.
 EXTRA_CONFIG = {
-    "mirror": "volume",
-    "local_dir": "local_dir",
-    "workers": "hydrate_workers",
-    "chunk_bytes": "chunk_bytes",
+    "mirror": "mirror",
+    "local_copies": "local_copies",
+    "readers": "readers",
+    "span_bytes": "span_bytes",
     "bytes_in_flight": "bytes_in_flight",
     "direct_io": "direct_io",
 }
+# Keys renamed (old: new), accepted with a deprecation warning for one release.
+RENAMED_KEYS = {"local_dir": "local_copies", "workers": "readers", "chunk_bytes": "span_bytes"}
 log = logging.getLogger("vllm.loaderplug")
 _registered = False
 
@@ -67,7 +70,7 @@ def register() -> None:
 def settings_from_extra_config(extra: Mapping[str, Any] | None) -> Settings:
     """``LOADERPLUG_*`` settings overridden by ``--model-loader-extra-config``; an unknown
     key or a bad value is a ``ValueError`` that names the valid keys."""
-    extra = dict(extra or {})
+    extra = {_current_key(key): value for key, value in (extra or {}).items()}
     valid = ", ".join(sorted(EXTRA_CONFIG))
     unknown = sorted(set(extra) - set(EXTRA_CONFIG))
     if unknown:
@@ -83,6 +86,19 @@ def settings_from_extra_config(extra: Mapping[str, Any] | None) -> Settings:
             option = exc.renamed(f"--model-loader-extra-config {key}")
             raise ValueError(f"--load-format {LOAD_FORMAT}: {option}; valid keys: {valid}") from exc
     return settings
+
+
+def _current_key(key: str) -> str:
+    if key not in RENAMED_KEYS:
+        return key
+    new = RENAMED_KEYS[key]
+    warnings.warn(
+        f"--model-loader-extra-config key {key!r} is now {new!r}; the old name goes in the "
+        f"next release",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+    return new
 
 
 def _loader_class() -> type:

@@ -5,7 +5,7 @@ A model is named as a serving framework names it: a folder, or a Hub repo id.
 
 * A folder on a network or userspace filesystem (the volume mirror), or under
   ``LOADERPLUG_MIRROR``, is a mirror: its weights are hydrated into a local copy under
-  ``LOADERPLUG_LOCAL_DIR`` and streamed as they land, each byte read from the volume
+  ``LOADERPLUG_LOCAL_COPIES`` and streamed as they land, each byte read from the volume
   once. A later start on the same host finds the copy current and reads it instead.
 * A folder on local disk is read where it is.
 * A repo id is pinned to one commit (the one vLLM read its config of: see
@@ -143,7 +143,7 @@ def stream(
     """Yield every weight as ``(name, tensor)``, owned, on the CPU: read in place, or in
     one pass that hydrates the local copy (current files there are read locally). The
     ranks of a process ``group`` split the reading (see :mod:`loaderplug.tensors.ranks`)."""
-    if settings.reader == "fastsafetensors":
+    if settings.weights_reader == "fastsafetensors":
         yield from _through_fastsafetensors(weights, settings)
         return
     yield from iter_tensors(

@@ -38,8 +38,8 @@ def hydrate(
 ) -> TransferReport:
     """Copy a model folder from a volume mirror to local disk, range-parallel.
 
-    ``overrides`` are settings by field name (``hydrate_workers=16``,
-    ``chunk_bytes="16M"``) and win over ``LOADERPLUG_*`` variables. With ``check`` (the
+    ``overrides`` are settings by field name (``readers=16``,
+    ``span_bytes="16M"``) and win over ``LOADERPLUG_*`` variables. With ``check`` (the
     default) a job with failed files raises :class:`TransferFailed`, whose ``report``
     says what happened to each file; every file that did land is published.
     """

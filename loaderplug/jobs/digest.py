@@ -17,7 +17,7 @@ import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from loaderplug.errors import HydrateError
+from loaderplug.errors import FileError
 
 
 @dataclass(frozen=True)
@@ -114,7 +114,7 @@ class DigestSink:
                 again.update(block)
             digest = again.hexdigest()
         if digest != self.expected.hexdigest:
-            raise HydrateError(
+            raise FileError(
                 f"{self.rel}: the mirror's copy does not match its name (content hash "
                 f"{digest}); it is corrupt and is not used",
                 path=self.rel,

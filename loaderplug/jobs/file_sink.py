@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from loaderplug.engine.spans import Landed
-from loaderplug.errors import HydrateError
+from loaderplug.errors import FileError
 from loaderplug.jobs.partial import Journal, is_partial_name, journal_for, partial_for
 from loaderplug.storage.files import fsync_dir, open_direct, sync_file
 from loaderplug.storage.mounts import is_network_type
@@ -140,8 +140,8 @@ class FileSink:
             sync_file(self.temp, data_only=True)
         self.journal.record(offset, offset + length)
 
-    def _error(self, what: str, exc: OSError, advice: str = "") -> HydrateError:
-        return HydrateError(
+    def _error(self, what: str, exc: OSError, advice: str = "") -> FileError:
+        return FileError(
             f"{what}: {exc.strerror or exc}{advice}", path=str(self.dst), errno=exc.errno
         )
 

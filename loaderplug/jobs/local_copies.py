@@ -2,7 +2,7 @@
 and hydrating chosen files of one into it. Shared by every loader integration.
 
 A folder is a mirror when it lives on a network or userspace filesystem, or under the
-configured volume; its local copy sits under ``LOADERPLUG_LOCAL_DIR``, named after the
+configured volume; its local copy sits under ``LOADERPLUG_LOCAL_COPIES``, named after the
 model and a hash of the mirror's path, so two models that share a name stay apart.
 """
 

@@ -300,14 +300,14 @@ class Runner:
             destination=str(plan.destination or ""),
             # A fixed count is reported as set (fewer readers run for fewer spans); an
             # adaptive one where it ended, with the range it moved in.
-            workers=stats.workers if stats.workers_range else self._sizing.workers,
-            chunk_bytes=stats.chunk,
+            readers=stats.workers if stats.readers_range else self._sizing.workers,
+            span_bytes=stats.chunk,
             results=results + others,
             bytes_copied=stats.bytes_copied,
             seconds=time.monotonic() - started,
             retries=stats.retries + (plan.delivery.retries if plan.delivery else 0),
             waited_for_lock_s=waited,
-            workers_range=stats.workers_range,
+            readers_range=stats.readers_range,
         )
         if plan.finish is not None:
             plan.finish(listing, report)
@@ -322,7 +322,7 @@ class _Observer:
         self.plugins, self.job, self.delivery = plugins, plan.job, plan.delivery
 
     def range_done(self, rel: str, offset: int, length: int, retries: int) -> None:
-        self.plugins.notify_range_done(self.job, rel, offset, length, retries)
+        self.plugins.notify_span_done(self.job, rel, offset, length, retries)
 
     def file_done(self, result: FileResult) -> None:
         self.plugins.notify_file_done(self.job, result)

@@ -71,11 +71,23 @@ def loaderplug_open_source(path: str, policy: IOPolicy, settings: Settings) -> S
 
 
 @hookspec
+def loaderplug_on_span_done(
+    job: str, path: str, offset: int, length: int, retries: int, settings: Settings
+) -> None:
+    """A span of ``path`` landed in every sink of its file (``job``: hydrate, sync or
+    load)."""
+
+
+@hookspec(
+    warn_on_impl=DeprecationWarning(
+        "the loaderplug hook loaderplug_on_range_done is now loaderplug_on_span_done "
+        "(same arguments); the old name goes in the next release"
+    )
+)
 def loaderplug_on_range_done(
     job: str, path: str, offset: int, length: int, retries: int, settings: Settings
 ) -> None:
-    """A range of ``path`` landed in every sink of its file (``job``: hydrate, sync or
-    load)."""
+    """Deprecated: :func:`loaderplug_on_span_done`, called with it."""
 
 
 @hookspec

@@ -200,17 +200,10 @@ class Plugins:
 
     # -- observe ------------------------------------------------------------------
 
-    def notify_range_done(
-        self, job: str, path: str, offset: int, length: int, retries: int
-    ) -> None:
-        self._notify(
-            "loaderplug_on_range_done",
-            job=job,
-            path=path,
-            offset=offset,
-            length=length,
-            retries=retries,
-        )
+    def notify_span_done(self, job: str, path: str, offset: int, length: int, retries: int) -> None:
+        # The deprecated name too, for plugins not yet moved to the new one.
+        for hook in ("loaderplug_on_span_done", "loaderplug_on_range_done"):
+            self._notify(hook, job=job, path=path, offset=offset, length=length, retries=retries)
 
     def notify_file_done(self, job: str, result: FileResult) -> None:
         self._notify("loaderplug_on_file_done", job=job, result=result)

@@ -28,7 +28,7 @@ from loaderplug.engine.buffers import Opener
 from loaderplug.engine.file_task import EngineStats
 from loaderplug.engine.retry import RetryPolicy, retrying
 from loaderplug.engine.sinks import Sink
-from loaderplug.errors import HydrateError, LoaderplugError
+from loaderplug.errors import FileError, LoaderplugError
 from loaderplug.jobs.plan import FileEntry
 from loaderplug.settings import Settings
 from loaderplug.storage.mounts import is_network_type
@@ -118,16 +118,16 @@ class TensorDelivery:
             try:
                 now = source.identity()
                 if not now.matches(entry.identity, inode=policy.stable_inodes):
-                    raise HydrateError(
+                    raise FileError(
                         f"{path}: changed since it was listed (now {now.describe()})", path=path
                     )
                 return read_header(source, path)
             finally:
                 source.close()
 
-        def give_up(exc: OSError, attempts: int | None) -> HydrateError:
+        def give_up(exc: OSError, attempts: int | None) -> FileError:
             tries = f" after {attempts} attempts" if attempts else ""
-            return HydrateError(
+            return FileError(
                 f"{path}: reading the header failed{tries}: {exc.strerror or exc}",
                 path=path,
                 errno=exc.errno,

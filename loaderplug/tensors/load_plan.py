@@ -13,7 +13,7 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
-from loaderplug.errors import HydrateError
+from loaderplug.errors import FileError
 from loaderplug.jobs.file_sink import temps_of
 from loaderplug.jobs.locks import file_lock, folder_lock
 from loaderplug.jobs.plan import FileEntry, Listing, Plan
@@ -41,7 +41,7 @@ def load_plan(
             try:
                 st = os.stat(path)
             except OSError as exc:
-                raise HydrateError(
+                raise FileError(
                     f"{path}: cannot read it: {exc.strerror or exc}",
                     path=str(path),
                     errno=exc.errno,

@@ -1,4 +1,4 @@
-"""Test helpers for loaderplug (FUSE-backed slow, faulty test volumes).
+"""What tests, benchmarks and the demo build on: models, volumes, a Hub, kill trials.
 
 * `loaderplug.testing.volume`: the parent side, `mounted` and `TestVolume` (start here);
 * `loaderplug.testing.faults`: the `VolumeProfile` and its fault model;

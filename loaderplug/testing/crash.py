@@ -32,9 +32,9 @@ from loaderplug.testing import slowed
 from loaderplug.types import IOPolicy
 
 ENV = {
-    "LOADERPLUG_CHUNK_BYTES": "64K",
+    "LOADERPLUG_SPAN_BYTES": "64K",
     "LOADERPLUG_SPLIT_THRESHOLD_BYTES": "128K",
-    "LOADERPLUG_HYDRATE_WORKERS": "4",
+    "LOADERPLUG_READERS": "4",
     "LOADERPLUG_SYNC_STALE_S": "2",
 }
 

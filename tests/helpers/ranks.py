@@ -41,9 +41,9 @@ def run_ranks(
         "PATH": "/usr/bin:/bin",
         "PYTHONPATH": str(REPO),
         "LOADERPLUG_PROGRESS": "0",
-        "LOADERPLUG_CHUNK_BYTES": "256K",
+        "LOADERPLUG_SPAN_BYTES": "256K",
         "LOADERPLUG_SPLIT_THRESHOLD_BYTES": "512K",
-        "LOADERPLUG_HYDRATE_WORKERS": "4",
+        "LOADERPLUG_READERS": "4",
         "LOADERPLUG_FSYNC": "0",
         **(env or {}),
     }

@@ -8,7 +8,7 @@ from typing import Any
 # Freshly written files sit in the page cache, where the reader would map them; forcing
 # direct reads makes it stream them range by range, in 4 KiB ranges.
 STREAMED: dict[str, Any] = {
-    "chunk_bytes": "4K",
+    "span_bytes": "4K",
     "split_threshold_bytes": 0,
     "direct_io": "on",
     "progress": False,

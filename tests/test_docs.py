@@ -1,27 +1,38 @@
-"""The README stays true and short: its quick start runs, its links resolve, and the
-settings table in docs/ is the registry's."""
+"""The README stays true and short: its quick start runs, its links resolve; and the
+generated parts of docs/ (settings, layers, glossary, benchmark results) are current."""
 
 from __future__ import annotations
 
+import importlib.util
 import re
 from pathlib import Path
-
-from loaderplug.settings import settings_table
+from types import ModuleType
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
-SETTINGS_PAGE = ROOT / "docs" / "settings.md"
 
 
-def test_settings_table_is_generated_from_the_registry() -> None:
-    text = SETTINGS_PAGE.read_text()
-    match = re.search(
-        r"<!-- settings-table:start -->\n(.*?)\n<!-- settings-table:end -->", text, re.S
-    )
-    assert match, "docs/settings.md lost its settings-table markers"
-    assert match.group(1) == settings_table(), (
-        "the settings table is stale: run `python scripts/write_settings_table.py`"
-    )
+def write_docs() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("write_docs", ROOT / "scripts" / "write_docs.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_generated_parts_of_the_docs_are_current() -> None:
+    docs = write_docs()
+    for page, parts in docs.sections().items():
+        text = page.read_text()
+        assert docs.render(text, parts) == text, (
+            f"{page.name} is stale: run `python scripts/write_docs.py`"
+        )
+
+
+def test_a_stale_part_is_seen() -> None:
+    docs = write_docs()
+    page = "before\n<!-- glossary:start -->\nold\n<!-- glossary:end -->\nafter"
+    assert docs.render(page, {"glossary": "new"}) == page.replace("old", "new")
 
 
 def test_quick_start_is_two_commands_that_exist() -> None:
