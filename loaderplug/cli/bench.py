@@ -4,7 +4,7 @@ The best hydrate setting depends on the storage: a network volume wants a few la
 ranges per stream, an object-store mount more streams, and a busy host answers too
 many bytes in flight with ENOMEM. A short sweep finds out:
 
-* Every setting (workers x range size, within a bytes-in-flight cap) reads the files
+* Every setting (readers x span size, within a bytes-in-flight cap) reads the files
   under PATH for an equal slice of the time budget, with ``pread`` under the same IO
   policy a hydrate uses, and its throughput is what it read over that time.
 * Each trial reads bytes no earlier trial read, so a page cache (local or a network
@@ -34,7 +34,7 @@ from loaderplug.storage.source import aligned_buffer
 from loaderplug.types import IOPolicy
 from loaderplug.units import GiB, MiB, format_size
 
-# The sweep: (workers, range size). Few large ranges suit network volumes; many
+# The sweep: (readers, span size). Few large spans suit network volumes; many
 # streams suit per-stream-capped object stores. Bytes in flight stay at or under 1 GiB,
 # past which busy hosts answer with ENOMEM storms.
 GRID: tuple[tuple[int, int], ...] = (
@@ -51,7 +51,7 @@ GRID: tuple[tuple[int, int], ...] = (
 
 @dataclasses.dataclass
 class Trial:
-    workers: int
+    readers: int
     span_bytes: int
     bytes_read: int = 0
     seconds: float = 0.0
@@ -63,10 +63,10 @@ class Trial:
 
     def exports(self) -> list[str]:
         return [
-            f"export LOADERPLUG_READERS={self.workers}",
+            f"export LOADERPLUG_READERS={self.readers}",
             f"export LOADERPLUG_SPAN_BYTES={format_size(self.span_bytes).replace(' ', '')}",
             f"export LOADERPLUG_BYTES_IN_FLIGHT="
-            f"{format_size(self.workers * self.span_bytes).replace(' ', '')}",
+            f"{format_size(self.readers * self.span_bytes).replace(' ', '')}",
         ]
 
 
@@ -91,10 +91,10 @@ class BenchResult:
         }
 
     def summary(self) -> str:
-        lines = [f"{self.path}: {self.policy}", "workers  range     MiB/s  transient errors"]
+        lines = [f"{self.path}: {self.policy}", "readers  span      MiB/s  transient errors"]
         for t in self.trials:
             lines.append(
-                f"{t.workers:7d}  {format_size(t.span_bytes):8s} {t.mib_per_s:6.0f}  "
+                f"{t.readers:7d}  {format_size(t.span_bytes):8s} {t.mib_per_s:6.0f}  "
                 f"{t.transient_errors}"
             )
         best = self.best
@@ -225,7 +225,7 @@ def _trial(
                 view.release()
                 buffer.close()
 
-    threads = [threading.Thread(target=worker, daemon=True) for _ in range(trial.workers)]
+    threads = [threading.Thread(target=worker, daemon=True) for _ in range(trial.readers)]
     for t in threads:
         t.start()
     for t in threads:

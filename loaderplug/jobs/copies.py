@@ -43,12 +43,7 @@ def hydrate(
     default) a job with failed files raises :class:`TransferFailed`, whose ``report``
     says what happened to each file; every file that did land is published.
     """
-    job_settings = (settings if settings is not None else from_env()).replace(**overrides)
-    plan = tree_plan("hydrate", Path(src), Path(dst), job_settings, use_manifest=True)
-    report = run(plan, job_settings)
-    if check and not report.ok:
-        raise TransferFailed(report)
-    return report
+    return _copy_tree("hydrate", Path(src), Path(dst), check, settings, overrides)
 
 
 def sync(
@@ -60,8 +55,20 @@ def sync(
     **overrides: Any,
 ) -> TransferReport:
     """Copy a local model folder to the mirror, then write the mirror's manifest last."""
+    return _copy_tree("sync", Path(local), Path(mirror), check, settings, overrides)
+
+
+def _copy_tree(
+    job: str,
+    src: Path,
+    dst: Path,
+    check: bool,
+    settings: Settings | None,
+    overrides: dict[str, Any],
+) -> TransferReport:
     job_settings = (settings if settings is not None else from_env()).replace(**overrides)
-    plan = tree_plan("sync", Path(local), Path(mirror), job_settings, use_manifest=False)
+    # A hydrate lists the mirror by its manifest; a sync writes it.
+    plan = tree_plan(job, src, dst, job_settings, use_manifest=job == "hydrate")
     report = run(plan, job_settings)
     if check and not report.ok:
         raise TransferFailed(report)
