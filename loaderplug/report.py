@@ -38,6 +38,15 @@ class TransferReport:
         return self._with("loaded")
 
     @property
+    def mapped(self) -> list[FileResult]:
+        return self._with("mapped")
+
+    @property
+    def bytes_mapped(self) -> int:
+        """Bytes handed over as mappings: the consumer's touches read them, not the job."""
+        return sum(r.size for r in self.mapped)
+
+    @property
     def skipped(self) -> list[FileResult]:
         return self._with("skipped")
 
@@ -63,6 +72,8 @@ class TransferReport:
         data.update(
             restored=len(self.restored),
             loaded=len(self.loaded),
+            mapped=len(self.mapped),
+            bytes_mapped=self.bytes_mapped,
             skipped=len(self.skipped),
             linked=len(self.linked),
             failed=len(self.failed),
@@ -80,6 +91,7 @@ class TransferReport:
     def summary(self) -> str:
         """A few lines for people: counts, speed, and every failure with its reason."""
         loaded = f"{len(self.loaded)} loaded, " if self.loaded else ""
+        loaded += f"{len(self.mapped)} mapped, " if self.mapped else ""
         lines = [
             f"{self.job} {self.source} -> {self.destination}: "
             f"{len(self.restored)} restored, {loaded}{len(self.linked)} linked, "
@@ -88,6 +100,11 @@ class TransferReport:
             f"({self.mib_per_s:.1f} MiB/s), {self.retries} retries, "
             f"{self.readers} readers{self._auto} x {format_size(self.span_bytes)} spans"
         ]
+        if self.mapped:
+            lines.append(
+                f"mapped {self.bytes_mapped / MiB:.1f} MiB from memory (the page cache or "
+                f"tmpfs): not read by loaderplug; its pages are read as they are touched"
+            )
         if self.results and not (self.restored or self.linked or self.loaded) and self.ok:
             lines.append("nothing to do: every file is already up to date")
         for r in self.failed:

@@ -53,7 +53,7 @@ PREFIX = "LOADERPLUG_"
 
 # Where a setting's value came from.
 Origin = Literal["default", "environment", "override"]
-Kind = Literal["int", "workers", "size", "bool", "names", "choice", "path"]
+Kind = Literal["int", "workers", "size", "bool", "names", "choice", "path", "text"]
 
 
 @dataclass(frozen=True)
@@ -89,6 +89,8 @@ class Variable:
             return "one of " + ", ".join(self.choices)
         if self.kind == "names":
             return "a comma-separated list of names"
+        if self.kind == "text":
+            return "any text"
         return "a filesystem path"
 
     @property
@@ -200,7 +202,7 @@ class Settings:
     direct_io: DirectIO = _setting(
         "choice",
         "auto",
-        "O_DIRECT reads: auto (by filesystem type), on, or off.",
+        "O_DIRECT reads: auto (measured per mount, else by filesystem type), on, or off.",
         choices=get_args(DirectIO),
     )
     weights_reader: WeightsReader = _setting(
@@ -255,6 +257,22 @@ class Settings:
         "this host is noticed at once, without waiting for it.",
         minimum=1,
         maximum=24 * 3600,
+    )
+    io_probe: bool = _setting(
+        "bool",
+        True,
+        "Measure O_DIRECT against buffered parallel reads once per mount (on the first "
+        "cold file of 64 MiB or more a job reads there: at most 256 MiB, about a second) "
+        "and use the faster from then on (kept in ~/.cache/loaderplug/io-policy.json). "
+        "Off: the filesystem type decides. LOADERPLUG_DIRECT_IO=on|off wins over both.",
+    )
+    host_id: str | None = _setting(
+        "text",
+        None,
+        "What tells this host's ranks from another host's when ranks share a load (they "
+        "share a read, a local copy and the memory budget only with ranks of their own "
+        "host). Unset: the host name and this boot of it. Containers on one machine that "
+        "should each count as a host of their own set one each.",
     )
     rank_sharing: RankSharing = _setting(
         "choice",
@@ -399,6 +417,12 @@ def _parse_choice(var: Variable, raw: object) -> str:
     raise _bad(var, raw)
 
 
+def _parse_text(var: Variable, raw: object) -> str:
+    if isinstance(raw, str) and raw.strip():
+        return raw.strip()
+    raise _bad(var, raw)
+
+
 def _parse_path(var: Variable, raw: object) -> str:
     if isinstance(raw, (str, os.PathLike)):
         return os.fspath(raw)
@@ -413,6 +437,7 @@ _PARSERS: dict[str, Callable[[Variable, object], Any]] = {
     "names": _parse_names,
     "choice": _parse_choice,
     "path": _parse_path,
+    "text": _parse_text,
 }
 
 

@@ -127,8 +127,10 @@ class Source(Protocol):
 
 
 # restored: copied and published; loaded: read (into tensors) without being copied;
-# skipped: the destination already held it; linked: a symlink placed; failed: see reason.
-Status = Literal["restored", "loaded", "skipped", "linked", "failed"]
+# mapped: handed over as tensors over a mapping of a file in memory (its pages are read
+# as the consumer touches them, not by loaderplug); skipped: the destination already
+# held it; linked: a symlink placed; failed: see reason.
+Status = Literal["restored", "loaded", "mapped", "skipped", "linked", "failed"]
 
 
 @dataclass(frozen=True)

@@ -49,6 +49,9 @@ def _clean_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     for name in list(os.environ):
         if name.startswith("LOADERPLUG_"):
             monkeypatch.delenv(name)
+    # A measured IO policy is kept per user and mount: a test's (or a benchmark's) must
+    # not decide another's. tests/test_io_probe.py measures where it is the subject.
+    monkeypatch.setenv("LOADERPLUG_IO_PROBE", "0")
 
 
 @pytest.fixture

@@ -15,9 +15,12 @@ from pathlib import Path
 import pytest
 
 from loaderplug.jobs.model_folder import is_own_name
+from loaderplug.units import MiB
 from tests.conftest import tree_bytes
 
 REPO = Path(__file__).resolve().parent.parent
+# As in every test (see conftest): no measured IO policy decides these commands.
+NO_PROBE = {"LOADERPLUG_IO_PROBE": "0"}
 
 
 def run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
@@ -26,7 +29,7 @@ def run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedPr
         capture_output=True,
         text=True,
         cwd=REPO,
-        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO), **(env or {})},
+        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO), **NO_PROBE, **(env or {})},
         timeout=120,
     )
 
@@ -109,7 +112,7 @@ def run_on_a_terminal(*args: str, env: dict[str, str]) -> str:
         stdout=subprocess.DEVNULL,
         stderr=terminal,
         cwd=REPO,
-        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO), **env},
+        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO), **NO_PROBE, **env},
     )
     os.close(terminal)
     shown = b""
@@ -165,6 +168,33 @@ def test_load_hydrates_and_loads_in_one_pass(model: Path, tmp_path: Path) -> Non
     published = sorted(p.name for p in (tmp_path / "l").iterdir() if not is_own_name(p.name))
     assert published == [p.name for p in shards]
     assert all((tmp_path / "l" / p.name).read_bytes() == p.read_bytes() for p in shards)
+
+
+def test_load_says_what_it_read_and_what_it_only_mapped(model: Path) -> None:
+    """A warm file is handed over as a mapping: reported as mapped, with its bytes,
+    never as bytes read at some speed; a cold one is read, and reported as read."""
+    pytest.importorskip("torch")
+    from tests.conftest import drop_from_page_cache
+
+    shards = sorted(model.glob("*.safetensors"))
+    size = sum(s.stat().st_size for s in shards)
+    for shard in shards:
+        shard.read_bytes()  # warm
+    warm = run("load", *map(str, shards), env={"LOADERPLUG_DIRECT_IO": "off"})
+    assert warm.returncode == 0, warm.stderr
+    assert "read nothing" in warm.stdout and f"mapped {size / MiB:.1f} MiB" in warm.stdout
+    assert "MiB/s" not in warm.stdout
+    figures = json.loads(
+        run("load", *map(str, shards), "--json", env={"LOADERPLUG_DIRECT_IO": "off"}).stdout
+    )
+    assert (figures["bytes_read"], figures["bytes_mapped"]) == (0, size)
+    for shard in shards:
+        drop_from_page_cache(shard)
+    cold = run("load", *map(str, shards), "--json", env={"LOADERPLUG_DIRECT_IO": "off"})
+    figures = json.loads(cold.stdout)
+    # Cold, a mapping would be read a page fault at a time: the file is read instead.
+    assert figures["bytes_mapped"] == 0 and figures["bytes_read"] == size
+    assert all(mode.startswith("buffered") for mode in figures["io"].values())
 
 
 @pytest.mark.slow

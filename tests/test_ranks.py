@@ -8,11 +8,12 @@ from pathlib import Path
 
 import pytest
 
+from loaderplug.tensors.header_reads import read_header_of
 from loaderplug.tensors.ranks import owners
 from loaderplug.testing.model import write_model
 from loaderplug.testing.volume import VolumeProfile, mounted
 from loaderplug.units import MiB
-from tests.conftest import leftover_temps
+from tests.conftest import drop_from_page_cache, leftover_temps
 from tests.helpers.ranks import expected, run_ranks
 
 torch = pytest.importorskip("torch")
@@ -149,3 +150,65 @@ def test_the_initialised_default_group_is_found_and_a_group_of_one_is_no_group(
     outs, _ = run_ranks(tmp_path, model8, 1)
     assert outs[0]["tensors"] == want and outs[0]["sharing"] is None
     assert sorted(outs[0]["reads"]) == sorted(f.name for f in model8)
+
+
+@pytest.mark.parametrize("sharing", ["pagecache", "broadcast"])
+def test_two_hosts_each_read_the_model_once_and_keep_their_own_copy(
+    tmp_path: Path, model8: list[Path], sharing: str
+) -> None:
+    """Two groups of two ranks, told apart by LOADERPLUG_HOST_ID, in one world of four:
+    each host reads every byte of the mirror once, between its two ranks, and publishes
+    its own local copy (a one pass); the other host's copy is never read."""
+    hosts = {rank: "host-a" if rank < 2 else "host-b" for rank in range(4)}
+    per_rank = {
+        rank: {"LOADERPLUG_HOST_ID": host, "RANK_LOCAL_DIR": str(tmp_path / host)}
+        for rank, host in hosts.items()
+    }
+    outs, _ = run_ranks(tmp_path, model8, 4, {"LOADERPLUG_RANK_SHARING": sharing}, per_rank)
+    want = expected(model8)
+    model_bytes = sum(f.stat().st_size for f in model8)
+    for host in ("host-a", "host-b"):
+        ranks = [r for r, h in hosts.items() if h == host]
+        for rank in ranks:
+            out = outs[rank]
+            assert out.get("error") is None and out["tensors"] == want, (rank, out)
+            others = [p for p in out["read_paths"] if "host-" in p and host not in p]
+            assert not others, f"rank {rank} read the other host's copy: {others}"
+        from_mirror = sum(
+            n
+            for r in ranks
+            for p, n in outs[r]["read_paths"].items()
+            if p.startswith(str(model8[0].parent))
+        )
+        assert model_bytes <= from_mirror <= 1.05 * model_bytes, (host, from_mirror, model_bytes)
+        for f in model8:
+            assert (tmp_path / host / f.name).read_bytes() == f.read_bytes()
+
+
+@pytest.mark.parametrize("sharing", ["pagecache", "broadcast"])
+def test_ranks_divide_the_hosts_memory_budget(tmp_path: Path, sharing: str) -> None:
+    """LOADERPLUG_BYTES_IN_FLIGHT bounds the host: each of two ranks loads within half of
+    it, and, loading a cold model larger than the bound with a slow consumer, its peak
+    stays within its half + 2 x the largest tensor + 256 MiB."""
+    folder = tmp_path / "model"
+    write_model(folder, 1024 * MiB, shards=8, tensors_per_shard=16)
+    files = sorted(folder.glob("*.safetensors"))
+    largest = max(t.nbytes for f in files for t in read_header_of(f).tensors)
+    for f in files:
+        drop_from_page_cache(f)  # read, not mapped: the budget is what holds the bytes
+    host_budget = 512 * MiB
+    env = {
+        "LOADERPLUG_RANK_SHARING": sharing,
+        "LOADERPLUG_BYTES_IN_FLIGHT": str(host_budget),
+        "LOADERPLUG_SPAN_BYTES": "4M",
+        "LOADERPLUG_SPLIT_THRESHOLD_BYTES": "8M",
+        "RANK_TENSOR_SLEEP_S": "0.03",  # the consumer lags: the budget fills
+    }
+    outs, _ = run_ranks(tmp_path, files, 2, env)
+    part = host_budget // 2
+    bound = part + 2 * largest + 256 * MiB
+    assert sum(f.stat().st_size for f in files) > 1.5 * bound  # the model does not fit
+    for rank, out in enumerate(outs):
+        assert out.get("error") is None and out["sharing"] == sharing, (rank, out)
+        assert out["bytes_in_flight"] == part
+        assert out["rss_growth"] <= bound, (rank, out["rss_growth"] / MiB, bound / MiB)

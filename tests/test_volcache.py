@@ -170,6 +170,7 @@ def test_ranks_loading_at_once_read_the_mirror_once(
         "PATH": "/usr/bin:/bin",
         "PYTHONPATH": str(REPO),
         "LOADERPLUG_LOCAL_COPIES": str(tmp_path / "copies"),
+        "LOADERPLUG_IO_PROBE": "0",  # as in every test (see conftest)
     }
     ranks = [
         subprocess.Popen(

@@ -24,8 +24,8 @@ def loaderplug_find_mirror(request: MirrorRequest, settings: Settings) -> Path |
 
 
 @hookimpl(trylast=True)
-def loaderplug_io_policy(path: str, mode: DirectIO) -> IOPolicy:
-    return decide(path, mode)
+def loaderplug_io_policy(path: str, mode: DirectIO, settings: Settings) -> IOPolicy:
+    return decide(path, mode, measure=settings.io_probe)
 
 
 @hookimpl(trylast=True)

@@ -10,17 +10,17 @@ from __future__ import annotations
 import os
 import struct
 
+from loaderplug.storage.io_probe import measured_policy
 from loaderplug.storage.mounts import (
     MEMORY_TYPES,
     filesystem_type,
     is_buffered_type,
     nearest_existing,
 )
+from loaderplug.storage.residency import WARM_FRACTION, cached_fraction
 from loaderplug.types import DirectIO, IOPolicy
 
 DEFAULT_ALIGNMENT = 4096
-# A file at least this much in the page cache is read buffered, from memory.
-WARM_FRACTION = 0.5
 
 _STATX_DIOALIGN = 0x2000
 _AT_FDCWD = -100
@@ -77,8 +77,19 @@ def direct_io_alignment(path: str | os.PathLike[str]) -> int:
     return _logical_block_size(dev) or DEFAULT_ALIGNMENT
 
 
-def decide(path: str | os.PathLike[str], mode: DirectIO = "auto") -> IOPolicy:
-    """The built-in policy: network and memory filesystems buffered, local block direct."""
+def decide(
+    path: str | os.PathLike[str], mode: DirectIO = "auto", *, measure: bool = False
+) -> IOPolicy:
+    """The built-in policy: network and memory filesystems buffered, local block direct;
+    with ``measure``, what was measured on the mount wins over that table
+    (:mod:`loaderplug.storage.io_probe`)."""
+    guess = _by_type(path, mode)
+    if not measure or mode != "auto" or guess.fs_type in MEMORY_TYPES:
+        return guess
+    return measured_policy(os.fspath(path), guess, direct_io_alignment(path))
+
+
+def _by_type(path: str | os.PathLike[str], mode: DirectIO) -> IOPolicy:
     fs_type = filesystem_type(path)
     if mode == "off":
         return IOPolicy.buffered(fs_type, "LOADERPLUG_DIRECT_IO=off")
@@ -91,8 +102,6 @@ def decide(path: str | os.PathLike[str], mode: DirectIO = "auto") -> IOPolicy:
             fs_type, f"{fs_type} is a network or userspace filesystem: reads stay buffered"
         )
     if os.path.isfile(path):
-        from loaderplug.storage.residency import cached_fraction
-
         cached = cached_fraction(os.fspath(path))
         if cached is not None and cached >= WARM_FRACTION:
             # Served from memory, buffered reads beat any disk read; O_DIRECT would

@@ -15,6 +15,9 @@ import platform
 
 from loaderplug.storage.libc import libc
 
+# A file at least this much in the page cache is read buffered, from memory.
+WARM_FRACTION = 0.5
+
 _CACHESTAT_NR = {"x86_64": 451, "aarch64": 451}.get(platform.machine())
 _PROT_READ, _MAP_SHARED = 1, 1
 _MAP_FAILED = ctypes.c_void_p(-1).value

@@ -21,6 +21,7 @@ import threading
 import time
 from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from types import TracebackType
 from typing import Any
 
@@ -31,7 +32,8 @@ from loaderplug.engine.sinks import Sink
 from loaderplug.errors import FileError, LoaderplugError
 from loaderplug.jobs.plan import FileEntry
 from loaderplug.settings import Settings
-from loaderplug.storage.mounts import is_network_type
+from loaderplug.storage.mounts import MEMORY_TYPES, is_network_type
+from loaderplug.storage.residency import WARM_FRACTION, cached_fraction
 from loaderplug.tensors.budget import MemoryBudget
 from loaderplug.tensors.header import Header
 from loaderplug.tensors.header_reads import read_header
@@ -91,7 +93,7 @@ class TensorDelivery:
         if self.started is None:
             self.started = time.monotonic()
         header = self._read_header(entry, policy, open_source)
-        if entry.copy_to is None and self._maps(policy):
+        if entry.copy_to is None and self._maps(policy, entry.source):
             self.mapped.append((entry.rel, header))
             return None
         rel = entry.rel
@@ -103,10 +105,17 @@ class TensorDelivery:
             return DeviceTensorSink(header, self.pool, emit)
         return TensorSink(header, self.device, emit, self.budget)
 
-    def _maps(self, policy: IOPolicy) -> bool:
-        # Buffered on a local filesystem means the bytes are in memory already (tmpfs,
-        # or a file mostly in the page cache): mapping them beats copying them.
-        return self.may_map and not policy.direct and not is_network_type(policy.fs_type)
+    def _maps(self, policy: IOPolicy, path: Path) -> bool:
+        """Whether the file's bytes are in memory already (tmpfs, or a local file mostly
+        in the page cache): mapping them then beats copying them. A file that is not is
+        read, whatever the policy: its mapping's first touches would read it a page
+        fault at a time, slower than the engine's parallel reads."""
+        if not self.may_map or policy.direct or is_network_type(policy.fs_type):
+            return False
+        if policy.fs_type in MEMORY_TYPES:
+            return True
+        cached = cached_fraction(str(path))
+        return cached is not None and cached >= WARM_FRACTION
 
     def _read_header(self, entry: FileEntry, policy: IOPolicy, open_source: Opener) -> Header:
         """The file's header, retried like any read; a file that changed since it was
@@ -229,7 +238,7 @@ class HandOver(Generator[Event, None, "EngineStats | None"]):
             if item is not None:
                 return self._handed(TensorReady(rel, *item))
             self._file = None
-            result = FileResult(rel, "loaded", header.size)
+            result = FileResult(rel, "mapped", header.size)
             self._delivery.results.append(result)
             return FileFinished(result)
 

@@ -43,6 +43,9 @@ class Load(Iterator[tuple[str, "torch.Tensor"]]):
         # For ranks sharing the load: pagecache or broadcast, and each file's reader.
         self.sharing: str | None = None
         self.owners: dict[str, int] = {}
+        # The memory budget this process loaded within: LOADERPLUG_BYTES_IN_FLIGHT, or
+        # its part of it when ranks on the host share the load.
+        self.bytes_in_flight: int | None = None
 
     def __iter__(self) -> Load:
         return self
@@ -106,6 +109,7 @@ class RunnerPairs(Iterator[tuple[str, Any]]):
         report, load = self.runner.report, self.load
         assert report is not None
         load.report, load.io_modes = report, self.runner.io_modes
+        load.bytes_in_flight = self.runner.settings.bytes_in_flight
         delivery = self.runner.plan.delivery
         if isinstance(delivery, TensorDelivery):
             load.first_tensor_s = delivery.first_tensor_s

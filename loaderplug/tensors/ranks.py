@@ -41,7 +41,7 @@ from typing import Any, Literal
 
 from loaderplug.errors import DistributedError, LoaderplugError
 from loaderplug.jobs.runner import Runner
-from loaderplug.settings import Settings
+from loaderplug.settings import BY_FIELD, Settings
 from loaderplug.storage.mounts import filesystem_type, is_network_type
 from loaderplug.tensors.delivery import TensorDelivery, TensorsOf
 from loaderplug.tensors.header_reads import read_header_of
@@ -78,7 +78,7 @@ def share_for(group: Any, settings: Settings) -> Share | None:
     if size <= 1:
         return None
     ranks: list[Any] = [None] * size
-    _collective(dist.all_gather_object, ranks, _RankProcess.here(), group=group)
+    _collective(dist.all_gather_object, ranks, _RankProcess.here(settings), group=group)
     me_here = ranks[dist.get_rank(group)]
     here = [r for r, rank in enumerate(ranks) if rank.host == me_here.host]
     members = tuple(dist.get_global_rank(group, r) for r in here)
@@ -109,8 +109,8 @@ class _RankProcess:
     pid_namespace: str | None
 
     @staticmethod
-    def here() -> _RankProcess:
-        return _RankProcess(_host_id(), os.getpid(), pid_namespace())
+    def here(settings: Settings) -> _RankProcess:
+        return _RankProcess(settings.host_id or _host_id(), os.getpid(), pid_namespace())
 
 
 def _host_id() -> str:
@@ -133,6 +133,11 @@ def owners(sizes: Sequence[int], ranks: int) -> list[int]:
         owner[index] = rank
         load[rank] += sizes[index]
     return owner
+
+
+def rank_part(host_bytes_in_flight: int, ranks: int) -> int:
+    """One rank's part of the host's bytes in flight (never below the setting's floor)."""
+    return max(host_bytes_in_flight // ranks, BY_FIELD["bytes_in_flight"].minimum or 1)
 
 
 def sharing_mode(
@@ -169,6 +174,8 @@ def shared_tensors(
 
     files = [Path(p) for p in paths]
     local = Path(local_dir) if local_dir is not None else None
+    # LOADERPLUG_BYTES_IN_FLIGHT bounds the host: the ranks sharing its load divide it.
+    settings = settings.replace(bytes_in_flight=rank_part(settings.bytes_in_flight, share.size))
     steps = _Steps(share, PeerWatch(share.peers))
     groups = [share.group]
     try:
@@ -206,6 +213,7 @@ def shared_tensors(
                 _abandon(group, steps.pending)
     load.report, load.io_modes = runner.report, runner.io_modes
     load.first_tensor_s, load.sharing = delivery.first_tensor_s, mode
+    load.bytes_in_flight = settings.bytes_in_flight
     load.owners = {str(f): share.global_ranks[r] for f, r in zip(files, owner, strict=True)}
 
 

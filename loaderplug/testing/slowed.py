@@ -26,6 +26,8 @@ def start(
             "PATH": "/usr/bin:/bin",
             "PYTHONPATH": str(REPO),
             "LOADERPLUG_PROGRESS": "0",
+            # Kill trials compare runs: no measured IO policy may change between them.
+            "LOADERPLUG_IO_PROBE": "0",
             **(env or {}),
         },
     )

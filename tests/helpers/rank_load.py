@@ -11,7 +11,7 @@ RANK_TENSOR_SLEEP_S (and that long over every tensor), RANK_GROUP=none (no group
 passed: the default group is found), and every LOADERPLUG_* setting. Prints {"tensors":
 {name: [dtype, shape, crc32]}, "reads": {file: bytes read through the source hook},
 "read_paths": the same by path, "error": message or null, "seconds": s, "failed_at":
-unix time of the error}.
+unix time of the error, "rss_growth": peak resident bytes over those before the load}.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import datetime
 import errno
 import json
 import os
+import resource
 import signal
 import sys
 import threading
@@ -84,6 +85,7 @@ def main() -> int:
         threading.Timer(die_at, die).start()
     group = None if os.environ.get("RANK_GROUP") == "none" else dist.group.WORLD
     out: dict[str, object] = {"tensors": {}, "error": None}
+    base_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # torch, the group
     started = time.monotonic()
     load = iter_tensors(files, local_dir=os.environ.get("RANK_LOCAL_DIR") or None, group=group)
     try:
@@ -103,6 +105,8 @@ def main() -> int:
     out["reads"] = reads
     out["read_paths"] = read_paths
     out["sharing"] = load.sharing
+    out["bytes_in_flight"] = load.bytes_in_flight
+    out["rss_growth"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base_rss
     print(json.dumps(out))
     return 0
 

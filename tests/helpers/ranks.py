@@ -45,6 +45,7 @@ def run_ranks(
         "LOADERPLUG_SPLIT_THRESHOLD_BYTES": "512K",
         "LOADERPLUG_READERS": "4",
         "LOADERPLUG_FSYNC": "0",
+        "LOADERPLUG_IO_PROBE": "0",  # as in every test (see conftest)
         **(env or {}),
     }
     started = time.monotonic()

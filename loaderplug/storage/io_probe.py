@@ -1,0 +1,238 @@
+"""The IO policy measured per mount: direct against buffered parallel reads, once.
+
+The filesystem-type table (:mod:`loaderplug.storage.io_policy`) is a guess: on one
+local disk parallel O_DIRECT reads beat buffered ones one day and lose the next, and
+some FUSE filesystems read faster direct. So the first time a job reads a cold file of
+a mount, :func:`measured_policy` reads part of it both ways with the engine's
+parallelism, for a bounded cost (:data:`PROBE_BYTES` and about :data:`PROBE_SECONDS`),
+and records the winner for the mount (its device and filesystem) in a small cache file
+with the figures and the date; later jobs use what it recorded. A warm file, a file in
+memory, a file too small to tell, or a mount that cannot be probed keeps the table's
+answer, as does ``LOADERPLUG_IO_PROBE=off``; ``LOADERPLUG_DIRECT_IO=on|off`` overrides
+both.
+"""
+
+from __future__ import annotations
+
+import datetime
+import itertools
+import json
+import os
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from loaderplug.storage.files import write_atomically
+from loaderplug.storage.residency import WARM_FRACTION, cached_fraction
+from loaderplug.storage.source import PosixSource, aligned_buffer
+from loaderplug.types import IOPolicy
+from loaderplug.units import MiB
+
+# Most bytes a probe reads (half each way), and about how long it may take.
+PROBE_BYTES = 256 * MiB
+PROBE_SECONDS = 1.0
+# Readers and read size: the engine's own, so the figures are the engine's.
+PROBE_READERS = 8
+PROBE_STEP = 4 * MiB
+# Files smaller than this cannot tell the two modes apart: each reader needs a few reads.
+SMALLEST_PROBED = 2 * PROBE_READERS * PROBE_STEP
+# A file this much in the page cache would flatter buffered reads: not probed.
+COLDEST_PROBED = 0.05
+# Files of a folder looked at for one to measure with.
+MOST_LOOKED_AT = 1000
+# The other mode must be this much faster to overturn the table's guess (noise).
+MARGIN = 1.05
+
+_lock = threading.Lock()
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """One mount's probe: both modes' speeds, what it cost, and when it ran."""
+
+    mount: str
+    fs_type: str
+    direct: bool
+    direct_mib_s: float
+    buffered_mib_s: float
+    bytes_read: int
+    seconds: float
+    date: str
+    sample: str
+
+    @property
+    def reason(self) -> str:
+        winner = "direct" if self.direct else "buffered"
+        return (
+            f"measured on this mount ({self.date}): {winner} wins, direct "
+            f"{self.direct_mib_s:.0f} MiB/s against buffered {self.buffered_mib_s:.0f} MiB/s "
+            f"({self.bytes_read / MiB:.0f} MiB read in {self.seconds:.2f} s)"
+        )
+
+
+def cache_file() -> Path:
+    """Where measurements are kept: one small JSON file per user."""
+    cache = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(cache) / "loaderplug" / "io-policy.json"
+
+
+def mount_key(path: str, fs_type: str) -> str:
+    """The mount a path is on: its device and filesystem type."""
+    st = os.stat(path)
+    return f"{os.major(st.st_dev)}:{os.minor(st.st_dev)} {fs_type}"
+
+
+def recorded(key: str) -> Measurement | None:
+    try:
+        entries = json.loads(cache_file().read_text())
+        return Measurement(**entries[key])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _record(key: str, measurement: Measurement) -> None:
+    path = cache_file()
+    with _lock:
+        try:
+            entries = json.loads(path.read_text())
+        except (OSError, ValueError):
+            entries = {}
+        entries[key] = asdict(measurement)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            temp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+            write_atomically(path, json.dumps(entries, indent=1), temp=temp, fsync=False)
+        except OSError:
+            pass  # a read-only home: the next job measures again
+
+
+def measured_policy(path: str, guess: IOPolicy, direct_alignment: int) -> IOPolicy:
+    """The mount's measured policy for ``path`` (measuring it now if ``path`` is a cold
+    file big enough and the mount has no measurement yet), else ``guess``."""
+    try:
+        key = mount_key(path, guess.fs_type)
+    except OSError:
+        return guess
+    if os.path.isfile(path) and (cached_fraction(path) or 0.0) >= WARM_FRACTION:
+        return guess  # served from memory: no measurement of the disk applies
+    found = recorded(key)
+    sample = _sample(path) if found is None else None
+    if sample is not None:
+        found = probe(sample, key, guess, direct_alignment)
+        if found is not None:
+            _record(key, found)
+    if found is None:
+        return guess
+    alignment = direct_alignment if found.direct else 1
+    return IOPolicy(found.direct, alignment, guess.fs_type, found.reason)
+
+
+def _sample(path: str) -> str | None:
+    """The file to measure with: ``path`` if it is a cold file big enough, else the
+    largest such file beside it (a job's first file is often a small config)."""
+    folder = path if os.path.isdir(path) else os.path.dirname(path)
+    candidates = [path] if os.path.isfile(path) else []
+    try:
+        with os.scandir(folder) as entries:
+            for entry in itertools.islice(entries, MOST_LOOKED_AT):
+                if entry.is_file(follow_symlinks=False):
+                    candidates.append(entry.path)
+    except OSError:
+        pass
+    for candidate in sorted(set(candidates), key=_size, reverse=True):
+        if _size(candidate) < SMALLEST_PROBED:
+            return None
+        cached = cached_fraction(candidate)
+        if cached is not None and cached <= COLDEST_PROBED:
+            return candidate
+    return None
+
+
+def _size(path: str) -> int:
+    try:
+        return os.path.getsize(path)
+    except OSError:
+        return 0
+
+
+def probe(path: str, key: str, guess: IOPolicy, alignment: int) -> Measurement | None:
+    """Read ``path`` direct (its first part) and buffered (its last part), each with
+    :data:`PROBE_READERS` readers, within the budgets; None if it could not be read."""
+    size = os.path.getsize(path)
+    half = min(PROBE_BYTES, size) // 2 // PROBE_STEP * PROBE_STEP
+    direct_policy = IOPolicy(True, alignment, guess.fs_type, "probe")
+    buffered_policy = IOPolicy.buffered(guess.fs_type, "probe")
+    started = time.monotonic()
+    try:
+        direct_bytes, direct_s = _read_region(path, direct_policy, 0, half)
+        buffered_bytes, buffered_s = _read_region(path, buffered_policy, size - half, half)
+    except OSError:
+        return None
+    _forget(path, size - half, half)  # the job's buffered reads must not find them cached
+    direct_speed = direct_bytes / MiB / direct_s if direct_s else 0.0
+    buffered_speed = buffered_bytes / MiB / buffered_s if buffered_s else 0.0
+    if guess.direct:
+        direct = buffered_speed < direct_speed * MARGIN
+    else:
+        direct = direct_speed > buffered_speed * MARGIN
+    return Measurement(
+        mount=key,
+        fs_type=guess.fs_type,
+        direct=direct,
+        direct_mib_s=round(direct_speed, 1),
+        buffered_mib_s=round(buffered_speed, 1),
+        bytes_read=direct_bytes + buffered_bytes,
+        seconds=round(time.monotonic() - started, 3),
+        date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        sample=path,
+    )
+
+
+def _read_region(path: str, policy: IOPolicy, start: int, length: int) -> tuple[int, float]:
+    """Read ``[start, start + length)`` with parallel readers for about half the probe's
+    time; the bytes read and the seconds it took."""
+    offsets = iter(range(start, start + length, PROBE_STEP))
+    deadline = time.monotonic() + PROBE_SECONDS / 2
+    lock = threading.Lock()
+    done = [0]
+    failures: list[OSError] = []
+
+    def reader() -> None:
+        source = PosixSource(path, policy)
+        buffer = aligned_buffer(PROBE_STEP)
+        try:
+            while time.monotonic() < deadline:
+                with lock:
+                    offset = next(offsets, None)
+                if offset is None:
+                    return
+                got = source.pread_into(memoryview(buffer), offset)
+                with lock:
+                    done[0] += got
+        except OSError as exc:
+            failures.append(exc)
+        finally:
+            buffer.close()
+            source.close()
+
+    began = time.monotonic()
+    threads = [threading.Thread(target=reader, daemon=True) for _ in range(PROBE_READERS)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if failures:
+        raise failures[0]
+    return done[0], time.monotonic() - began
+
+
+def _forget(path: str, start: int, length: int) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return
+    try:
+        os.posix_fadvise(fd, start, length, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)

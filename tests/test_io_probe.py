@@ -1,0 +1,136 @@
+"""The IO policy measured per mount: the first cold read measures direct against
+buffered, the winner is kept for the mount and used from then on; forced modes, warm
+files, small files and LOADERPLUG_IO_PROBE=off keep the table's answer."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from loaderplug.cli.doctor import doctor
+from loaderplug.settings import from_env
+from loaderplug.storage import io_probe
+from loaderplug.storage.io_policy import decide
+from loaderplug.storage.mounts import MEMORY_TYPES, filesystem_type
+from loaderplug.types import IOPolicy
+from loaderplug.units import MiB
+from tests.conftest import drop_from_page_cache
+
+
+@pytest.fixture(autouse=True)
+def _own_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+
+
+@pytest.fixture
+def big(tmp_path: Path) -> Path:
+    """A cold file the probe can measure with, on this machine's disk."""
+    if filesystem_type(tmp_path) in MEMORY_TYPES:
+        pytest.skip(f"{tmp_path} is in memory: nothing to measure")
+    path = tmp_path / "data" / "model.safetensors"
+    path.parent.mkdir()
+    path.write_bytes(os.urandom(io_probe.SMALLEST_PROBED + 16 * MiB))
+    drop_from_page_cache(path)
+    return path
+
+
+def entries() -> dict[str, dict[str, object]]:
+    loaded: dict[str, dict[str, object]] = json.loads(io_probe.cache_file().read_text())
+    return loaded
+
+
+def test_the_first_cold_read_measures_the_mount_and_later_ones_use_it(
+    big: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    policy = decide(big, "auto", measure=True)
+    assert policy.reason.startswith("measured on this mount"), policy.reason
+    (entry,) = entries().values()
+    assert entry["sample"] == str(big)
+    assert float(entry["direct_mib_s"]) > 0 and float(entry["buffered_mib_s"]) > 0  # type: ignore[arg-type]
+    assert 0 < int(entry["bytes_read"]) <= io_probe.PROBE_BYTES  # type: ignore[call-overload]
+    assert policy.direct == entry["direct"]
+    # The probe's buffered half was dropped again: the job finds the file cold.
+    assert (io_probe.cached_fraction(str(big)) or 0.0) <= io_probe.COLDEST_PROBED
+
+    def no_second_probe(*args: object) -> None:
+        raise AssertionError("the mount was measured already")
+
+    monkeypatch.setattr(io_probe, "probe", no_second_probe)
+    small = big.parent / "config.json"
+    small.write_text("{}")
+    drop_from_page_cache(small)
+    again = decide(small, "auto", measure=True)
+    assert (again.direct, again.reason) == (policy.direct, policy.reason)
+
+
+def test_a_small_first_file_is_measured_with_a_big_one_beside_it(big: Path) -> None:
+    small = big.parent / "config.json"
+    small.write_text("{}")
+    drop_from_page_cache(small)
+    policy = decide(small, "auto", measure=True)
+    assert policy.reason.startswith("measured")
+    (entry,) = entries().values()
+    assert entry["sample"] == str(big)
+
+
+@pytest.mark.parametrize(
+    ("guess_direct", "direct_s", "buffered_s", "chosen"),
+    [
+        (True, 1.0, 0.5, False),  # buffered twice as fast: it wins over the guess
+        (False, 0.5, 1.0, True),  # direct twice as fast: it wins over the guess
+        (True, 1.0, 0.98, True),  # within the margin: the guess stays
+        (False, 0.98, 1.0, False),
+    ],
+)
+def test_the_faster_mode_wins_and_a_near_tie_keeps_the_guess(
+    big: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    guess_direct: bool,
+    direct_s: float,
+    buffered_s: float,
+    chosen: bool,
+) -> None:
+    def timed(path: str, policy: IOPolicy, start: int, length: int) -> tuple[int, float]:
+        return 100 * MiB, direct_s if policy.direct else buffered_s
+
+    monkeypatch.setattr(io_probe, "_read_region", timed)
+    guess = decide(big, "on" if guess_direct else "off")
+    measured = io_probe.probe(str(big), "key", guess, 4096)
+    assert measured is not None and measured.direct is chosen
+
+
+def test_forced_modes_probing_off_and_warm_files_keep_the_table(
+    big: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def no_probe(*args: object) -> None:
+        raise AssertionError("nothing should have been measured")
+
+    monkeypatch.setattr(io_probe, "probe", no_probe)
+    assert decide(big, "on", measure=True).reason == "LOADERPLUG_DIRECT_IO=on"
+    assert decide(big, "off", measure=True).reason == "LOADERPLUG_DIRECT_IO=off"
+    assert not decide(big, "auto", measure=False).reason.startswith("measured")
+    big.read_bytes()  # now in the page cache: served from memory, nothing to measure
+    assert not decide(big, "auto", measure=True).reason.startswith("measured")
+    assert not io_probe.cache_file().exists()
+
+
+def test_doctor_shows_the_measured_choice(big: Path) -> None:
+    said = doctor([str(big)], {"XDG_CACHE_HOME": os.environ["XDG_CACHE_HOME"]})
+    assert "measured on this mount" in said and "MiB/s" in said
+    assert "LOADERPLUG_IO_PROBE=True  (default)" in said
+    off = doctor([str(big)], {"LOADERPLUG_IO_PROBE": "0"})
+    assert "measured on this mount" not in off.splitlines()[0]
+
+
+def test_a_hydrate_measures_its_mount_once(big: Path, tmp_path: Path) -> None:
+    from loaderplug import hydrate
+
+    settings = from_env({}, io_probe=True, progress=False)
+    report = hydrate(big.parent, tmp_path / "local", settings=settings)
+    assert report.ok
+    (entry,) = entries().values()
+    assert entry["sample"] == str(big)
+    assert (tmp_path / "local" / big.name).read_bytes() == big.read_bytes()
