@@ -220,6 +220,7 @@ def local_ranks_table(model: Path, worlds: list[int]) -> tuple[str, list[dict[st
     contenders = {
         "loaderplug (group, page cache)": ("loaderplug", {"LOADERPLUG_RANK_SHARING": "pagecache"}),
         "loaderplug (group, broadcast)": ("loaderplug", {"LOADERPLUG_RANK_SHARING": "broadcast"}),
+        "loaderplug (group, stream)": ("loaderplug", {"LOADERPLUG_RANK_SHARING": "stream"}),
         "loaderplug (each rank alone)": ("loaderplug", {"LOADERPLUG_DISTRIBUTED": "off"}),
         "safe_open per rank": ("safe_open", {}),
         "fastsafetensors (gloo group)": ("fastsafetensors", {}),
@@ -300,8 +301,9 @@ def mirror_ranks_table(
         # The job's own time, as the ranks' load time is theirs: no interpreter start-up.
         hydrate_s = json.loads(out)["seconds"]
         print(f"  mirror: plain hydrate {hydrate_s:.2f} s (floor {floor:.2f} s)")
-        for world, sharing in ((w, m) for w in worlds for m in ("pagecache", "broadcast")):
-            if world == 1 and sharing == "broadcast":
+        modes = ("pagecache", "broadcast", "stream")
+        for world, sharing in ((w, m) for w in worlds for m in modes):
+            if world == 1 and sharing != "pagecache":
                 continue  # one rank shares nothing
             shutil.rmtree(local, ignore_errors=True)
             vol.reset_stats()

@@ -279,7 +279,9 @@ class Settings:
         "auto",
         "How a tensor one rank read reaches the others: pagecache (the others map the "
         "file the reader just left in the page cache: CPU tensors from local files), "
-        "broadcast (over the group; CUDA tensors, network files), or auto (pagecache "
+        "broadcast (over the group; CUDA tensors, network files), stream (no copy, "
+        "tensor by tensor: the others map the file the reader is reading or writing "
+        "and take each tensor as soon as it landed; CPU tensors), or auto (pagecache "
         "where it applies, else broadcast).",
         choices=get_args(RankSharing),
     )

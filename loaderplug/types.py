@@ -23,7 +23,7 @@ from typing import Literal, Protocol
 DirectIO = Literal["auto", "on", "off"]
 WeightsReader = Literal["loaderplug", "fastsafetensors"]
 Distributed = Literal["auto", "off"]
-RankSharing = Literal["auto", "pagecache", "broadcast"]
+RankSharing = Literal["auto", "pagecache", "broadcast", "stream"]
 MirrorKind = Literal["hub", "folder"]
 
 

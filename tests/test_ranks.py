@@ -41,7 +41,7 @@ def test_files_are_split_by_bytes_the_same_way_everywhere() -> None:
     assert max(loads) - min(loads) <= 2
 
 
-@pytest.mark.parametrize("sharing", ["pagecache", "broadcast"])
+@pytest.mark.parametrize("sharing", ["pagecache", "broadcast", "stream"])
 @pytest.mark.parametrize("world", [2, 4])
 def test_every_rank_gets_every_tensor_and_each_file_is_read_once(
     tmp_path: Path, model8: list[Path], world: int, sharing: str
@@ -63,11 +63,13 @@ def test_every_rank_gets_every_tensor_and_each_file_is_read_once(
     assert len({r for ranks in readers.values() for r in ranks}) == world
 
 
+@pytest.mark.parametrize("sharing", ["auto", "stream"])
 def test_a_one_pass_shared_by_ranks_leaves_one_identical_local_copy(
-    tmp_path: Path, model8: list[Path]
+    tmp_path: Path, model8: list[Path], sharing: str
 ) -> None:
     local = tmp_path / "local"
-    outs, _ = run_ranks(tmp_path, model8, 2, {"RANK_LOCAL_DIR": str(local)})
+    env = {"RANK_LOCAL_DIR": str(local), "LOADERPLUG_RANK_SHARING": sharing}
+    outs, _ = run_ranks(tmp_path, model8, 2, env)
     want = expected(model8)
     assert all(out.get("error") is None and out["tensors"] == want for out in outs), outs
     assert {f.name: (local / f.name).read_bytes() for f in model8} == {
@@ -75,20 +77,24 @@ def test_a_one_pass_shared_by_ranks_leaves_one_identical_local_copy(
     }
     assert leftover_temps(local) == []
     # A later start finds the copy current: the mirror is not read again.
-    outs, _ = run_ranks(tmp_path, model8, 2, {"RANK_LOCAL_DIR": str(local)})
+    outs, _ = run_ranks(tmp_path, model8, 2, env)
     assert all(out["tensors"] == want for out in outs)
     assert all(set(out["reads"]) <= {f.name for f in model8} for out in outs)
 
 
 @pytest.mark.fuse
-def test_a_one_pass_from_the_mirror_reads_the_volume_once_across_ranks(tmp_path: Path) -> None:
+@pytest.mark.parametrize("sharing", ["auto", "stream"])
+def test_a_one_pass_from_the_mirror_reads_the_volume_once_across_ranks(
+    tmp_path: Path, sharing: str
+) -> None:
     backing = tmp_path / "backing"
     write_model(backing, 8 * MiB, shards=4)
     local = tmp_path / "local"
     with mounted(backing, tmp_path / "mnt", VolumeProfile.unthrottled()) as vol:
         files = sorted(vol.mountpoint.glob("*.safetensors"))
         vol.reset_stats()
-        outs, _ = run_ranks(tmp_path, files, 2, {"RANK_LOCAL_DIR": str(local)})
+        env = {"RANK_LOCAL_DIR": str(local), "LOADERPLUG_RANK_SHARING": sharing}
+        outs, _ = run_ranks(tmp_path, files, 2, env)
         served = vol.stats()
     want = expected(sorted(backing.glob("*.safetensors")))
     assert all(out.get("error") is None and out["tensors"] == want for out in outs), outs
@@ -152,7 +158,7 @@ def test_the_initialised_default_group_is_found_and_a_group_of_one_is_no_group(
     assert sorted(outs[0]["reads"]) == sorted(f.name for f in model8)
 
 
-@pytest.mark.parametrize("sharing", ["pagecache", "broadcast"])
+@pytest.mark.parametrize("sharing", ["pagecache", "broadcast", "stream"])
 def test_two_hosts_each_read_the_model_once_and_keep_their_own_copy(
     tmp_path: Path, model8: list[Path], sharing: str
 ) -> None:
@@ -185,7 +191,7 @@ def test_two_hosts_each_read_the_model_once_and_keep_their_own_copy(
             assert (tmp_path / host / f.name).read_bytes() == f.read_bytes()
 
 
-@pytest.mark.parametrize("sharing", ["pagecache", "broadcast"])
+@pytest.mark.parametrize("sharing", ["pagecache", "broadcast", "stream"])
 def test_ranks_divide_the_hosts_memory_budget(tmp_path: Path, sharing: str) -> None:
     """LOADERPLUG_BYTES_IN_FLIGHT bounds the host: each of two ranks loads within half of
     it, and, loading a cold model larger than the bound with a slow consumer, its peak

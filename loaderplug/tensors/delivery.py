@@ -79,6 +79,7 @@ class TensorDelivery:
         )
         self.may_map = may_map and device == "cpu"
         self.mapped: list[tuple[str, Header]] = []
+        self.headers: dict[str, Header] = {}  # every file's, by its name in the job
         self.results: list[FileResult] = []
         self.first_tensor_s: float | None = None
         self.started: float | None = None
@@ -93,6 +94,7 @@ class TensorDelivery:
         if self.started is None:
             self.started = time.monotonic()
         header = self._read_header(entry, policy, open_source)
+        self.headers[entry.rel] = header
         if entry.copy_to is None and self._maps(policy, entry.source):
             self.mapped.append((entry.rel, header))
             return None
@@ -319,10 +321,14 @@ class TensorsOf(Iterator[tuple[str, Any]]):
         self.done = False
 
     def __next__(self) -> tuple[str, Any]:
+        event = self._next_ready()
+        return event.name, event.tensor
+
+    def _next_ready(self) -> TensorReady:
         self.finished = None
         for event in self._events:
             if isinstance(event, TensorReady):
-                return event.name, event.tensor
+                return event
             if self._pause:
                 self.finished = event.result
                 raise StopIteration
@@ -330,3 +336,14 @@ class TensorsOf(Iterator[tuple[str, Any]]):
                 raise LoaderplugError(f"{event.result.path}: {event.result.reason}")
         self.done = True
         raise StopIteration
+
+
+class ReadyOf(Iterator[TensorReady]):
+    """The :class:`TensorReady` events among a load's events (each names its file); a
+    failed file raises :class:`~loaderplug.errors.LoaderplugError`."""
+
+    def __init__(self, events: Iterator[Any]) -> None:
+        self._tensors = TensorsOf(events)
+
+    def __next__(self) -> TensorReady:
+        return self._tensors._next_ready()

@@ -40,15 +40,17 @@ from pathlib import Path
 from typing import Any, Literal
 
 from loaderplug.errors import DistributedError, LoaderplugError
+from loaderplug.jobs.partial import partial_for
 from loaderplug.jobs.runner import Runner
 from loaderplug.settings import BY_FIELD, Settings
 from loaderplug.storage.mounts import filesystem_type, is_network_type
-from loaderplug.tensors.delivery import TensorDelivery, TensorsOf
+from loaderplug.tensors.delivery import ReadyOf, TensorDelivery, TensorReady, TensorsOf
+from loaderplug.tensors.header import Header
 from loaderplug.tensors.header_reads import read_header_of
 from loaderplug.tensors.load import Load
 from loaderplug.tensors.load_plan import load_plan
 from loaderplug.tensors.peers import Peer, PeerWatch, pid_namespace
-from loaderplug.tensors.sinks import MappedTensors
+from loaderplug.tensors.sinks import MappedFile, MappedTensors
 
 
 @dataclass(frozen=True)
@@ -142,7 +144,7 @@ def rank_part(host_bytes_in_flight: int, ranks: int) -> int:
 
 def sharing_mode(
     paths: Sequence[Path], device: str, local_dir: Path | None, settings: Settings
-) -> Literal["pagecache", "broadcast"]:
+) -> Literal["pagecache", "broadcast", "stream"]:
     """pagecache or broadcast, as the setting says or (auto) as measured best
     (benchmarks/scale_bench.py): the page cache for CPU tensors read in place from a
     local filesystem (device bytes 1x and 0.9-1.0x safe_open's time at 2 and 4 ranks,
@@ -187,8 +189,9 @@ def shared_tensors(
         owner = owners(sizes, share.size)
         mine = [f for f, r in zip(files, owner, strict=True) if r == share.rank]
         mode = sharing_mode(files, device, local, settings)
-        if mode == "pagecache":
-            # Buffered, so what this rank reads stays in the page cache for the others.
+        if mode in ("pagecache", "stream"):
+            # Buffered, so what this rank reads (and writes) stays in the page cache for
+            # the others to map.
             settings = settings.replace(direct_io="off")
         plan = load_plan(mine, device, settings, local, lock_each_file=True)
         runner = Runner(plan, settings)
@@ -199,6 +202,8 @@ def shared_tensors(
         if mode == "pagecache":
             final = [local / f.name if local is not None else f for f in files]
             yield from _by_page_cache(runner, steps, files, final)
+        elif mode == "stream":
+            yield from _by_stream(runner, steps, files, local, delivery)
         else:
             groups.append(_data_group(share, device))
             yield from _by_broadcast(runner, steps, device, groups[-1])
@@ -370,6 +375,112 @@ def _receive_buffer(dtype: Any, shape: list[int], device: str) -> Any:
         return torch.empty(0, dtype=dtype).reshape(shape)
     memory = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     return torch.frombuffer(memory, dtype=torch.uint8).view(dtype).reshape(shape)
+
+
+# -- stream ----------------------------------------------------------------------------
+
+
+def _by_stream(
+    runner: Runner, steps: _Steps, files: list[Path], local: Path | None, delivery: TensorDelivery
+) -> Iterator[tuple[str, Any]]:
+    """A step per tensor, as a broadcast, but no byte moves between ranks: the owner says
+    which tensor landed (and, with a file's first, the file's header); the others map
+    the file it is reading (or, in a one pass, the copy it is writing) and take the
+    tensor from their mapping, touching only the pages they use."""
+    events = runner.run()
+    files_mapped = _MappedFiles(files, local)
+    index = {f.name: i for i, f in enumerate(files)}
+    try:
+        done, told = False, set[int]()
+        own = ReadyOf(events)
+        while True:
+            step = _StreamStep(steps, files_mapped)
+            error: tuple[str, Any] | None = None
+            if not done:
+                try:
+                    step.own = next(own, None)
+                except LoaderplugError as exc:
+                    error, done = ("error", str(exc)), True
+                else:
+                    done = step.own is None
+            said = steps.exchange(error or step.offer(index, delivery.headers, told))
+            yield from step.hand_over(said)
+            if all(s is None for s in said):
+                return
+    finally:
+        events.close()
+        files_mapped.close()
+
+
+class _MappedFiles:
+    """The other ranks' files as this rank maps them, each on its first tensor."""
+
+    def __init__(self, files: list[Path], local: Path | None) -> None:
+        self.files, self.local = files, local
+        self.headers: dict[int, Header] = {}
+        self._open: dict[int, MappedFile] = {}
+
+    def tensor(self, index: int, name: str) -> Any:
+        if index not in self._open:
+            self._open[index] = MappedFile(self.headers[index], str(self._path(index)))
+        return self._open[index].tensor(name)
+
+    def _path(self, index: int) -> Path:
+        """Where the file's bytes are: in a one pass the copy being written (or, once
+        published, the copy), else the file being read."""
+        if self.local is None:
+            return self.files[index]
+        final = self.local / self.files[index].name
+        partial = partial_for(final)
+        # The partial copy is renamed into place when done: try it first, then the copy.
+        return partial if partial.exists() else final
+
+    def close(self) -> None:
+        for mapped in self._open.values():
+            mapped.close()
+        self._open.clear()
+
+
+class _StreamStep(Iterator[tuple[str, Any]]):
+    """One step of a stream: this rank's offer (its next own tensor, :attr:`own`), then
+    every tensor offered, in rank order: its own from its memory, the others' from the
+    mappings. It lets go of its own tensor as it hands it over."""
+
+    def __init__(self, steps: _Steps, files: _MappedFiles) -> None:
+        self.steps, self.files = steps, files
+        self.own: TensorReady | None = None
+        self._said: list[Any] = []
+        self._next_rank = 0
+
+    def offer(
+        self, index: dict[str, int], headers: dict[str, Header], told: set[int]
+    ) -> tuple[str, Any] | None:
+        if self.own is None:
+            return None
+        file = index[self.own.rel]
+        header = headers[self.own.rel] if file not in told else None
+        told.add(file)
+        return ("tensor", (file, self.own.name, header))
+
+    def hand_over(self, said: list[Any]) -> _StreamStep:
+        self._said, self._next_rank = said, 0
+        return self
+
+    def __next__(self) -> tuple[str, Any]:
+        while self._next_rank < len(self._said):
+            rank, step = self._next_rank, self._said[self._next_rank]
+            self._next_rank += 1
+            if step is None or step[0] != "tensor":
+                continue
+            file, name, header = step[1]
+            if rank == self.steps.share.rank:
+                assert self.own is not None
+                tensor, self.own = self.own.tensor, None
+                return name, tensor
+            if header is not None:
+                self.files.headers[file] = header
+            return name, self.files.tensor(file, name)
+        raise StopIteration
 
 
 # -- steps -----------------------------------------------------------------------------

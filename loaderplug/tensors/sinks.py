@@ -311,44 +311,65 @@ class DeviceTensorSink:
             self._device.clear()
 
 
+class MappedFile:
+    """A file's tensors over one private (copy-on-write) mapping of it, as safetensors
+    does: they share the page cache's pages until written to, and each gives its pages
+    back when it dies (see :mod:`loaderplug.tensors.page_release`). Tensors are taken
+    by name, in any order; ``path`` is the file to map (by default the header's), which
+    must be at least the header's size."""
+
+    def __init__(self, header: Header, path: str | None = None) -> None:
+        self._torch = torch_module()
+        self.header = header
+        self._dtypes = torch_dtypes(header)
+        self._by_name = {t.name: t for t in header.tensors}
+        with open(path or header.path, "rb") as f:
+            size = header.size or os.fstat(f.fileno()).st_size
+            mapping = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY) if size else None
+        self._releaser = PageReleaser(mapping, header, size) if mapping is not None else None
+
+    def tensor(self, name: str) -> torch.Tensor:
+        t = self._by_name[name]
+        dtype = self._dtypes[name]
+        if not t.nbytes or self._releaser is None:
+            return _empty(dtype, t)
+        raw = self._torch.frombuffer(self._releaser.tensor(t), dtype=self._torch.uint8)
+        tensor: torch.Tensor = raw.view(dtype).reshape(t.torch_shape)
+        return tensor
+
+    def close(self) -> None:
+        """Give back the pages no tensor handed over holds (idempotent)."""
+        releaser, self._releaser = self._releaser, None
+        if releaser is not None:
+            releaser.release_rest()
+
+
 class MappedTensors:
-    """Tensors over a private (copy-on-write) mapping of the file, as safetensors does:
-    they share the page cache's pages until written to, and each gives its pages back
-    when it dies (see :mod:`loaderplug.tensors.page_release`).
+    """Every tensor of a file, in order, over a :class:`MappedFile`.
 
     An iterator object, not a generator: nothing of it refers to a tensor it handed
     over, so a tensor its consumer drops is freed at once."""
 
     def __init__(self, header: Header) -> None:
-        self._torch = torch_module()
-        self._header = header
-        self._dtypes = torch_dtypes(header)
-        self._tensors = iter(header.tensors)
-        with open(header.path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            mapping = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY) if size else None
-        self._releaser = PageReleaser(mapping, header, size) if mapping is not None else None
+        self._file: MappedFile | None = MappedFile(header)
+        self._names = iter([t.name for t in header.tensors])
 
     def __iter__(self) -> MappedTensors:
         return self
 
     def __next__(self) -> tuple[str, torch.Tensor]:
-        t = next(self._tensors, None)
-        if t is None:
+        name = next(self._names, None)
+        if name is None or self._file is None:
             self.close()
             raise StopIteration
-        dtype = self._dtypes[t.name]
-        if not t.nbytes or self._releaser is None:
-            return t.name, _empty(dtype, t)
-        raw = self._torch.frombuffer(self._releaser.tensor(t), dtype=self._torch.uint8)
-        return t.name, raw.view(dtype).reshape(t.torch_shape)
+        return name, self._file.tensor(name)
 
     def close(self) -> None:
         """Give back the pages of every tensor not handed over (idempotent)."""
-        releaser, self._releaser = self._releaser, None
-        self._tensors = iter(())
-        if releaser is not None:
-            releaser.release_rest()
+        file, self._file = self._file, None
+        self._names = iter(())
+        if file is not None:
+            file.close()
 
     def __del__(self) -> None:
         self.close()
