@@ -194,8 +194,9 @@ def test_bad_input_fails_with_a_clear_message(mirror: Mirror, tmp_path: Path) ->
 TP2 = {"tensor_parallel_size": 2, "distributed_executor_backend": "mp"}
 
 
+@pytest.mark.parametrize("sharing", ["auto", "stream"])
 def test_volcache_at_tensor_parallel_two_generates_what_safetensors_does(
-    mirror: Mirror, tmp_path: Path
+    mirror: Mirror, tmp_path: Path, sharing: str
 ) -> None:
     local_dir = tmp_path / "local"
     shards = sorted(mirror.original.glob("*.safetensors"))
@@ -212,6 +213,7 @@ def test_volcache_at_tensor_parallel_two_generates_what_safetensors_does(
         ],
         # One core per worker: without it vLLM's CPU backend refuses (no NUMA nodes).
         VLLM_CPU_OMP_THREADS_BIND="0|1",
+        LOADERPLUG_RANK_SHARING=sharing,
     )
     served = mirror.volume.stats()["bytes_read"]
     (reference_tp1,) = run_cases(
