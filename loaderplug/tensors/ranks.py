@@ -145,20 +145,20 @@ def rank_part(host_bytes_in_flight: int, ranks: int) -> int:
 def sharing_mode(
     paths: Sequence[Path], device: str, local_dir: Path | None, settings: Settings
 ) -> Literal["pagecache", "broadcast", "stream"]:
-    """pagecache or broadcast, as the setting says or (auto) as measured best
-    (benchmarks/scale_bench.py): the page cache for CPU tensors read in place from a
-    local filesystem (device bytes 1x and 0.9-1.0x safe_open's time at 2 and 4 ranks,
-    a third of a broadcast's memory), a broadcast otherwise: for CUDA tensors, for
-    network files, whose pages other processes cannot share, and for a one pass, whose
-    tensors then flow as they land instead of after each file is durable (from the
-    FUSE volume: 1.5x a plain hydrate's time at 2 ranks, the page cache 2.3x)."""
+    """How tensors reach the other ranks: as the setting says, or (auto) as measured
+    best (benchmarks/scale_bench.py, 3.8 GiB, 2026-12-04): the page cache for CPU
+    tensors whose bytes end on a local filesystem: read in place (0.95x safe_open's
+    time at 2 ranks; device bytes 1x), or in a one pass into a local copy (from the
+    FUSE volume 0.96x a plain hydrate's time at 2 ranks, 0.83x at 4; the broadcast 1.26x
+    and 1.60x, the stream 0.95x and 0.93x with more memory); a broadcast otherwise: for
+    CUDA tensors, and for network files read in place, whose pages another process's
+    mapping would read again from the network."""
     if settings.rank_sharing != "auto":
         return settings.rank_sharing
-    if device != "cpu" or local_dir is not None:
+    if device != "cpu":
         return "broadcast"
-    local = all(
-        not is_network_type(filesystem_type(folder)) for folder in {p.parent for p in paths}
-    )
+    folders = {local_dir} if local_dir is not None else {p.parent for p in paths}
+    local = all(not is_network_type(filesystem_type(folder)) for folder in folders)
     return "pagecache" if local else "broadcast"
 
 
@@ -405,6 +405,8 @@ def _by_stream(
                     done = step.own is None
             said = steps.exchange(error or step.offer(index, delivery.headers, told))
             yield from step.hand_over(said)
+            if step.error is not None:  # the others hear of it at once, and all raise
+                steps.exchange(("error", step.error))
             if all(s is None for s in said):
                 return
     finally:
@@ -422,18 +424,20 @@ class _MappedFiles:
 
     def tensor(self, index: int, name: str) -> Any:
         if index not in self._open:
-            self._open[index] = MappedFile(self.headers[index], str(self._path(index)))
+            self._open[index] = self._map(index)
         return self._open[index].tensor(name)
 
-    def _path(self, index: int) -> Path:
-        """Where the file's bytes are: in a one pass the copy being written (or, once
-        published, the copy), else the file being read."""
+    def _map(self, index: int) -> MappedFile:
+        """Map where the file's bytes are: in a one pass the copy being written or, once
+        published (renamed into place), the copy; else the file being read."""
+        header = self.headers[index]
         if self.local is None:
-            return self.files[index]
+            return MappedFile(header, str(self.files[index]))
         final = self.local / self.files[index].name
-        partial = partial_for(final)
-        # The partial copy is renamed into place when done: try it first, then the copy.
-        return partial if partial.exists() else final
+        try:
+            return MappedFile(header, str(partial_for(final)))
+        except FileNotFoundError:
+            return MappedFile(header, str(final))
 
     def close(self) -> None:
         for mapped in self._open.values():
@@ -449,6 +453,7 @@ class _StreamStep(Iterator[tuple[str, Any]]):
     def __init__(self, steps: _Steps, files: _MappedFiles) -> None:
         self.steps, self.files = steps, files
         self.own: TensorReady | None = None
+        self.error: str | None = None  # a mapping this rank could not make
         self._said: list[Any] = []
         self._next_rank = 0
 
@@ -479,7 +484,11 @@ class _StreamStep(Iterator[tuple[str, Any]]):
                 return name, tensor
             if header is not None:
                 self.files.headers[file] = header
-            return name, self.files.tensor(file, name)
+            try:
+                return name, self.files.tensor(file, name)
+            except OSError as exc:
+                self.error = f"cannot map {self.files.files[file].name}: {exc}"
+                break
         raise StopIteration
 
 
