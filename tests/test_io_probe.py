@@ -134,3 +134,17 @@ def test_a_hydrate_measures_its_mount_once(big: Path, tmp_path: Path) -> None:
     (entry,) = entries().values()
     assert entry["sample"] == str(big)
     assert (tmp_path / "local" / big.name).read_bytes() == big.read_bytes()
+
+
+def test_the_storage_bench_measures_the_mount_again_and_keeps_it(big: Path) -> None:
+    from loaderplug.cli.bench import run_bench
+
+    settings = from_env({}, io_probe=True)
+    result = run_bench(big.parent, seconds=1, max_bytes=8 * MiB, grid=[(2, MiB)], settings=settings)
+    assert result.measured is not None and result.measured.startswith("measured")
+    assert "IO policy kept for this mount: measured" in result.summary()
+    (entry,) = entries().values()
+    assert result.policy.endswith(f"({result.measured})")
+    assert entry["sample"] == str(big)
+    off = run_bench(big.parent, seconds=1, max_bytes=8 * MiB, grid=[(2, MiB)])
+    assert off.measured is None  # LOADERPLUG_IO_PROBE=0 here (conftest)

@@ -30,6 +30,9 @@ from loaderplug.engine.retry import RetryPolicy, retrying
 from loaderplug.errors import LoaderplugError
 from loaderplug.plugins.manager import Plugins
 from loaderplug.settings import Settings, from_env
+from loaderplug.storage.io_policy import decide, direct_io_alignment
+from loaderplug.storage.io_probe import in_parallel, remeasure
+from loaderplug.storage.mounts import MEMORY_TYPES
 from loaderplug.storage.source import aligned_buffer
 from loaderplug.types import IOPolicy
 from loaderplug.units import GiB, MiB, format_size
@@ -75,6 +78,7 @@ class BenchResult:
     path: str
     policy: str
     trials: list[Trial]
+    measured: str | None = None  # direct against buffered, as measured and kept
 
     @property
     def best(self) -> Trial:
@@ -86,12 +90,16 @@ class BenchResult:
         return {
             "path": self.path,
             "policy": self.policy,
+            "measured": self.measured,
             "trials": [dataclasses.asdict(t) | {"mib_per_s": t.mib_per_s} for t in self.trials],
             "best": dataclasses.asdict(self.best) | {"mib_per_s": self.best.mib_per_s},
         }
 
     def summary(self) -> str:
-        lines = [f"{self.path}: {self.policy}", "readers  span      MiB/s  transient errors"]
+        lines = [f"{self.path}: {self.policy}"]
+        if self.measured is not None:
+            lines.append(f"IO policy kept for this mount: {self.measured}")
+        lines.append("readers  span      MiB/s  transient errors")
         for t in self.trials:
             lines.append(
                 f"{t.readers:7d}  {format_size(t.span_bytes):8s} {t.mib_per_s:6.0f}  "
@@ -170,6 +178,7 @@ def run_bench(
     settings = settings or from_env()
     files = _list_files(Path(path))
     plugins = Plugins(settings)
+    measured = _measure_io(files[0][0], settings)
     policy = plugins.io_policy(files[0][0])
     cursor = _Cursor(files)
     slice_s = seconds / len(grid)
@@ -179,7 +188,19 @@ def run_bench(
         _trial(Trial(w, c), cursor, policy, plugins, retry, slice_s, byte_budget) for w, c in grid
     ]
     mode = "direct" if policy.direct else "buffered"
-    return BenchResult(str(path), f"read {mode} ({policy.reason})", trials)
+    return BenchResult(str(path), f"read {mode} ({policy.reason})", trials, measured)
+
+
+def _measure_io(path: str, settings: Settings) -> str | None:
+    """Direct against buffered on this mount, measured now and kept for later jobs
+    (see :mod:`loaderplug.storage.io_probe`); None where probing is off or impossible."""
+    if not settings.io_probe or settings.direct_io != "auto":
+        return None
+    guess = decide(path, "auto")
+    if guess.fs_type in MEMORY_TYPES:
+        return None
+    found = remeasure(path, guess, direct_io_alignment(path))
+    return found.reason if found is not None else None
 
 
 def _trial(
@@ -195,7 +216,7 @@ def _trial(
     started = time.monotonic()
     deadline = started + seconds
     reserved = [0]  # bytes claimed by reads started, so the budget is never overshot
-    failures: list[BaseException] = []
+    failed = threading.Event()  # one worker failed: the others stop too
 
     def transient(exc: OSError) -> None:
         with lock:
@@ -205,7 +226,7 @@ def _trial(
         buffer = aligned_buffer(trial.span_bytes)
         view = memoryview(buffer)
         try:
-            while time.monotonic() < deadline and not failures:
+            while time.monotonic() < deadline and not failed.is_set():
                 with lock:
                     claim = min(trial.span_bytes, byte_budget - reserved[0])
                     if claim <= 0:
@@ -216,22 +237,17 @@ def _trial(
                 got = _read(plugins, path, policy, view, offset, length, retry, transient)
                 with lock:
                     trial.bytes_read += got
-        except BaseException as exc:  # reported after the trial: the bench stops
+        except BaseException as exc:  # raised after the trial: the bench stops
             # Drop the frames, so no slice of the buffer stays referenced by the error.
             traceback.clear_frames(exc.__traceback__)
-            failures.append(exc)
+            failed.set()
+            raise
         finally:
             with contextlib.suppress(BufferError):  # a slice still held elsewhere
                 view.release()
                 buffer.close()
 
-    threads = [threading.Thread(target=worker, daemon=True) for _ in range(trial.readers)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if failures:
-        raise failures[0]
+    in_parallel(trial.readers, worker)
     trial.seconds = time.monotonic() - started
     return trial
 

@@ -20,6 +20,7 @@ import json
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -196,7 +197,6 @@ def _read_region(path: str, policy: IOPolicy, start: int, length: int) -> tuple[
     deadline = time.monotonic() + PROBE_SECONDS / 2
     lock = threading.Lock()
     done = [0]
-    failures: list[OSError] = []
 
     def reader() -> None:
         source = PosixSource(path, policy)
@@ -210,21 +210,47 @@ def _read_region(path: str, policy: IOPolicy, start: int, length: int) -> tuple[
                 got = source.pread_into(memoryview(buffer), offset)
                 with lock:
                     done[0] += got
-        except OSError as exc:
-            failures.append(exc)
         finally:
             buffer.close()
             source.close()
 
     began = time.monotonic()
-    threads = [threading.Thread(target=reader, daemon=True) for _ in range(PROBE_READERS)]
+    in_parallel(PROBE_READERS, reader)
+    return done[0], time.monotonic() - began
+
+
+def in_parallel(count: int, work: Callable[[], None]) -> None:
+    """Run ``work`` on ``count`` threads at once; once all are done, raise the first
+    exception any of them raised."""
+    failures: list[BaseException] = []
+
+    def guarded() -> None:
+        try:
+            work()
+        except BaseException as exc:
+            failures.append(exc)
+
+    threads = [threading.Thread(target=guarded, daemon=True) for _ in range(count)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
     if failures:
         raise failures[0]
-    return done[0], time.monotonic() - began
+
+
+def remeasure(path: str, guess: IOPolicy, direct_alignment: int) -> Measurement | None:
+    """Measure the mount of ``path`` now, whatever was recorded (``loaderplug bench``),
+    and record it; None where it cannot be measured (no cold file big enough)."""
+    try:
+        key = mount_key(path, guess.fs_type)
+    except OSError:
+        return None
+    sample = _sample(path)
+    found = probe(sample, key, guess, direct_alignment) if sample is not None else None
+    if found is not None:
+        _record(key, found)
+    return found
 
 
 def _forget(path: str, start: int, length: int) -> None:

@@ -34,10 +34,10 @@ import mmap
 import os
 import pickle
 import socket
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 from loaderplug.errors import DistributedError, LoaderplugError
 from loaderplug.jobs.partial import partial_for
@@ -295,29 +295,47 @@ def _by_broadcast(
     is broadcast from its owner to the others over ``data_group``."""
     events = runner.run()
     try:
-        yield from _broadcast_steps(TensorsOf(events), steps, device, data_group)
+        yield from _each_step(
+            TensorsOf(events), lambda: _BroadcastStep(steps, device, data_group), steps
+        )
     finally:
         events.close()
 
 
-def _broadcast_steps(
-    tensors: Iterator[tuple[str, Any]], steps: _Steps, device: str, data_group: Any
+def _each_step(
+    own: Iterator[Any], new_step: Callable[[], _Step], steps: _Steps
 ) -> Iterator[tuple[str, Any]]:
+    """Steps until every rank is done: at each, every rank offers its next own tensor
+    (``step.offer()``) and hands over every tensor offered (``step.hand_over(said)``).
+    An error, this rank's own or one it met handing over, ends the load on every rank."""
     done = False
     while True:
-        step = _BroadcastStep(steps, device, data_group)
+        step = new_step()
         error: tuple[str, Any] | None = None
         if not done:
             try:
-                step.own = next(tensors, None)
+                step.own = next(own, None)
             except LoaderplugError as exc:
                 error, done = ("error", str(exc)), True
             else:
                 done = step.own is None
         said = steps.exchange(error or step.offer())
         yield from step.hand_over(said)
+        if step.error is not None:  # the others hear of it at once, and all raise
+            steps.exchange(("error", step.error))
         if all(s is None for s in said):
             return
+
+
+class _Step(Protocol):
+    """One step of a per-tensor share (see :func:`_each_step`)."""
+
+    own: Any
+    error: str | None
+
+    def offer(self) -> tuple[str, Any] | None: ...
+
+    def hand_over(self, said: list[Any]) -> Iterator[tuple[str, Any]]: ...
 
 
 class _BroadcastStep(Iterator[tuple[str, Any]]):
@@ -328,6 +346,7 @@ class _BroadcastStep(Iterator[tuple[str, Any]]):
     def __init__(self, steps: _Steps, device: str, data_group: Any) -> None:
         self.steps, self.device, self.data_group = steps, device, data_group
         self.own: tuple[str, Any] | None = None
+        self.error: str | None = None  # a broadcast's failure is the collective's own
         self._said: list[Any] = []
         self._next_rank = 0
 
@@ -390,25 +409,13 @@ def _by_stream(
     events = runner.run()
     files_mapped = _MappedFiles(files, local)
     index = {f.name: i for i, f in enumerate(files)}
+    told: set[int] = set()  # the files whose header this rank has sent
+
+    def new_step() -> _StreamStep:
+        return _StreamStep(steps, files_mapped, index, delivery.headers, told)
+
     try:
-        done, told = False, set[int]()
-        own = ReadyOf(events)
-        while True:
-            step = _StreamStep(steps, files_mapped)
-            error: tuple[str, Any] | None = None
-            if not done:
-                try:
-                    step.own = next(own, None)
-                except LoaderplugError as exc:
-                    error, done = ("error", str(exc)), True
-                else:
-                    done = step.own is None
-            said = steps.exchange(error or step.offer(index, delivery.headers, told))
-            yield from step.hand_over(said)
-            if step.error is not None:  # the others hear of it at once, and all raise
-                steps.exchange(("error", step.error))
-            if all(s is None for s in said):
-                return
+        yield from _each_step(ReadyOf(events), new_step, steps)
     finally:
         events.close()
         files_mapped.close()
@@ -450,21 +457,27 @@ class _StreamStep(Iterator[tuple[str, Any]]):
     every tensor offered, in rank order: its own from its memory, the others' from the
     mappings. It lets go of its own tensor as it hands it over."""
 
-    def __init__(self, steps: _Steps, files: _MappedFiles) -> None:
+    def __init__(
+        self,
+        steps: _Steps,
+        files: _MappedFiles,
+        index: dict[str, int],
+        headers: dict[str, Header],
+        told: set[int],
+    ) -> None:
         self.steps, self.files = steps, files
+        self.index, self.headers, self.told = index, headers, told
         self.own: TensorReady | None = None
         self.error: str | None = None  # a mapping this rank could not make
         self._said: list[Any] = []
         self._next_rank = 0
 
-    def offer(
-        self, index: dict[str, int], headers: dict[str, Header], told: set[int]
-    ) -> tuple[str, Any] | None:
+    def offer(self) -> tuple[str, Any] | None:
         if self.own is None:
             return None
-        file = index[self.own.rel]
-        header = headers[self.own.rel] if file not in told else None
-        told.add(file)
+        file = self.index[self.own.rel]
+        header = self.headers[self.own.rel] if file not in self.told else None
+        self.told.add(file)
         return ("tensor", (file, self.own.name, header))
 
     def hand_over(self, said: list[Any]) -> _StreamStep:
