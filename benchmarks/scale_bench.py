@@ -94,6 +94,7 @@ def child(args: argparse.Namespace) -> None:
         )
         group = dist.group.WORLD
     started = time.perf_counter()
+    cpu_started = time.process_time()  # every thread's CPU, the load's alone
     first: float | None = None
     count = 0
 
@@ -132,7 +133,8 @@ def child(args: argparse.Namespace) -> None:
         buffer.close()
         loader.close()
     seconds = time.perf_counter() - started
-    print(json.dumps({"seconds": seconds, "first": first, "count": count}))
+    cpu = time.process_time() - cpu_started
+    print(json.dumps({"seconds": seconds, "first": first, "count": count, "cpu": cpu}))
 
 
 def run_ranks(
@@ -247,6 +249,9 @@ def local_ranks_table(model: Path, worlds: list[int]) -> tuple[str, list[dict[st
                     "load": max(r["seconds"] for r in ranks),
                     "device_bytes": device,
                     "rss": max(r["rss"] for r in ranks),
+                    # CPU of every rank together, per GiB of the model: what carries to a
+                    # machine with more cores.
+                    "cpu_per_gib": sum(r.get("cpu", 0.0) for r in ranks) / (model_bytes / GiB),
                 }
             )
             print(f"  local x{world} {label:30s} {wall:6.2f} s {device / model_bytes:5.2f}x model")
@@ -255,8 +260,8 @@ def local_ranks_table(model: Path, worlds: list[int]) -> tuple[str, list[dict[st
         "every tensor. Wall: launch to the last rank's last tensor (start-up included); "
         "load: the slowest rank's load alone.\n",
         "| N | contender | wall s | load s | x safe_open per rank (load) | device bytes "
-        "/ model | peak RSS (largest rank) |",
-        "|---|---|---|---|---|---|---|",
+        "/ model | peak RSS (largest rank) | CPU s per GiB (all ranks) |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for world in worlds:
         base = next(
@@ -265,12 +270,13 @@ def local_ranks_table(model: Path, worlds: list[int]) -> tuple[str, list[dict[st
         )
         for r in (r for r in rows if r["world"] == world):
             if "failed" in r:
-                lines.append(f"| {world} | {r['contender']} | failed | | | | |")
+                lines.append(f"| {world} | {r['contender']} | failed | | | | | |")
                 continue
             ratio = f"{r['load'] / base['load']:.2f}" if base and "load" in base else ""
             lines.append(
                 f"| {world} | {r['contender']} | {r['wall']:.2f} | {r['load']:.2f} | {ratio} | "
-                f"{r['device_bytes'] / model_bytes:.2f} | {r['rss'] / MiB:.0f} MiB |"
+                f"{r['device_bytes'] / model_bytes:.2f} | {r['rss'] / MiB:.0f} MiB | "
+                f"{r['cpu_per_gib']:.2f} |"
             )
     return "\n".join(lines), rows
 
@@ -321,6 +327,7 @@ def mirror_ranks_table(
                     "first": max(r["first"] for r in ranks),
                     "volume_bytes": served,
                     "rss": max(r["rss"] for r in ranks),
+                    "cpu_per_gib": sum(r.get("cpu", 0.0) for r in ranks) / (model_bytes / GiB),
                 }
             )
             print(f"  mirror x{world}: {wall:.2f} s, volume {served / model_bytes:.2f}x model")
@@ -333,15 +340,16 @@ def mirror_ranks_table(
         f"start-up left out, as in the hydrate's figure.\n",
         "| N | sharing | wall s | load s (slowest rank) | x floor (load) | x hydrate (load) | "
         "volume bytes / model | first tensor s (latest rank) | first / load | peak RSS "
-        "(largest rank) |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "(largest rank) | CPU s per GiB (all ranks) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
             f"| {r['world']} | {r['sharing']} | {r['wall']:.2f} | {r['load']:.2f} | "
             f"{r['load'] / floor:.2f} | "
             f"{r['load'] / hydrate_s:.2f} | {r['volume_bytes'] / model_bytes:.2f} | "
-            f"{r['first']:.2f} | {r['first'] / r['load']:.0%} | {r['rss'] / MiB:.0f} MiB |"
+            f"{r['first']:.2f} | {r['first'] / r['load']:.0%} | {r['rss'] / MiB:.0f} MiB | "
+            f"{r['cpu_per_gib']:.2f} |"
         )
     return "\n".join(lines), [*rows, {"hydrate_s": hydrate_s, "floor_s": floor}]
 
