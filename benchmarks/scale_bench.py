@@ -158,11 +158,16 @@ def run_ranks(
                 env={**os.environ, "LOADERPLUG_PROGRESS": "0", **env},
             )
         )
+    done = [proc.communicate() for proc in procs]
+    failed = [
+        f"rank {rank} (exit {proc.returncode}):\n{out}\n{err[-3000:]}"
+        for rank, (proc, (out, err)) in enumerate(zip(procs, done, strict=True))
+        if proc.returncode != 0
+    ]
+    if failed:  # every failing rank's own words: the first to fail is not always rank 0
+        raise SystemExit(f"{contender} x{world} failed:\n" + "\n".join(failed))
     figures = []
-    for proc in procs:
-        out, err = proc.communicate()
-        if proc.returncode != 0:
-            raise SystemExit(f"{contender} x{world} failed:\n{out}\n{err[-3000:]}")
+    for out, err in done:
         row = json.loads(out.strip().splitlines()[-1])
         row["rss"] = int(err.strip().splitlines()[-1]) * 1024
         figures.append(row)
