@@ -3,6 +3,7 @@ once, and its memory returned, while the load goes on."""
 
 from __future__ import annotations
 
+import os
 import weakref
 from pathlib import Path
 
@@ -79,3 +80,47 @@ def test_tensors_read_in_place_free_each_dropped_tensor_at_once(model: list[Path
     assert taken == SHARDS * PER_SHARD
     assert grown < SHARDS * PER_SHARD * TENSOR_BYTES // 2, grown
     assert not any(mode.startswith("mapped") for mode in load.io_modes.values())
+
+
+def mapped_files() -> dict[tuple[int, int], str]:
+    """This process's file mappings: (start, end) -> path."""
+    found = {}
+    with open("/proc/self/maps") as f:
+        for line in f:
+            fields = line.split(maxsplit=5)
+            if len(fields) == 6 and fields[5].startswith("/"):
+                start, end = (int(x, 16) for x in fields[0].split("-"))
+                found[(start, end)] = fields[5].strip()
+    return found
+
+
+def test_through_the_page_cache_a_file_read_in_place_is_handed_over_as_its_mapping(
+    model: list[Path],
+) -> None:
+    """What ranks sharing a host's page cache read in place: read (buffered, counted as
+    read), and each tensor a view of the file's own pages, not a copy of them; the
+    tensors kept outside the memory budget, so a consumer holding all of them never
+    waits for it."""
+    from loaderplug.jobs.runner import Runner
+    from loaderplug.settings import from_env
+    from loaderplug.tensors.delivery import TensorsOf
+    from loaderplug.tensors.load_plan import load_plan
+
+    for path in model:  # cold, so the bytes come through the engine's reads
+        fd = os.open(path, os.O_RDONLY)
+        os.fsync(fd)  # dirty pages cannot be dropped
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.close(fd)
+    settings = from_env(direct_io="off", bytes_in_flight="16M", progress=False)
+    runner = Runner(load_plan(model, "cpu", settings, through_page_cache=True), settings)
+    held = dict(TensorsOf(runner.run()))  # the budget (16 MiB) is less than the model
+    maps = mapped_files()
+    assert len(held) == SHARDS * PER_SHARD
+    for name, tensor in held.items():
+        shard = int(name[1:].split(".w")[0])
+        address = tensor.data_ptr()
+        inside = [path for (start, end), path in maps.items() if start <= address < end]
+        assert inside == [str(model[shard])], f"{name} is not a view of its file's mapping"
+        assert torch.equal(tensor, safetensors_torch.load_file(str(model[shard]))[name])
+    assert runner.report.bytes_copied == sum(p.stat().st_size for p in model)
+    assert {r.status for r in runner.report.results} == {"loaded"}

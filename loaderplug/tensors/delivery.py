@@ -37,7 +37,12 @@ from loaderplug.storage.residency import WARM_FRACTION, cached_fraction
 from loaderplug.tensors.budget import MemoryBudget
 from loaderplug.tensors.header import Header
 from loaderplug.tensors.header_reads import read_header
-from loaderplug.tensors.sinks import DeviceTensorSink, MappedTensors, TensorSink
+from loaderplug.tensors.sinks import (
+    DeviceTensorSink,
+    MappedTensors,
+    PageCacheTensorSink,
+    TensorSink,
+)
 from loaderplug.tensors.staging import StagingPool, backend_for, pool_for
 from loaderplug.types import FileResult, IOPolicy
 
@@ -67,7 +72,14 @@ class TensorDelivery:
 
     served_as = "mapped"
 
-    def __init__(self, device: str, settings: Settings, *, may_map: bool = True) -> None:
+    def __init__(
+        self,
+        device: str,
+        settings: Settings,
+        *,
+        may_map: bool = True,
+        through_page_cache: bool = False,
+    ) -> None:
         self.device = device
         self.retry = RetryPolicy.of(settings)
         self.retries = 0
@@ -78,6 +90,10 @@ class TensorDelivery:
             pool_for(backend, settings.bytes_in_flight) if backend is not None else None
         )
         self.may_map = may_map and device == "cpu"
+        # Ranks sharing a host's page cache: files read in place are read into it and
+        # handed over as mappings of it (see PageCacheTensorSink), outside the budget.
+        self.through_page_cache = through_page_cache and self.may_map
+        self._in_page_cache: set[str] = set()  # files handed over so, by name in the job
         self.mapped: list[tuple[str, Header]] = []
         self.headers: dict[str, Header] = {}  # every file's, by its name in the job
         self.results: list[FileResult] = []
@@ -105,6 +121,9 @@ class TensorDelivery:
 
         if self.pool is not None:
             return DeviceTensorSink(header, self.pool, emit)
+        if entry.copy_to is None and self.through_page_cache and self._buffered(policy):
+            self._in_page_cache.add(rel)
+            return PageCacheTensorSink(header, emit)
         return TensorSink(header, self.device, emit, self.budget)
 
     def _maps(self, policy: IOPolicy, path: Path) -> bool:
@@ -112,12 +131,18 @@ class TensorDelivery:
         in the page cache): mapping them then beats copying them. A file that is not is
         read, whatever the policy: its mapping's first touches would read it a page
         fault at a time, slower than the engine's parallel reads."""
-        if not self.may_map or policy.direct or is_network_type(policy.fs_type):
+        if not self.may_map or not self._buffered(policy):
             return False
         if policy.fs_type in MEMORY_TYPES:
             return True
         cached = cached_fraction(str(path))
         return cached is not None and cached >= WARM_FRACTION
+
+    @staticmethod
+    def _buffered(policy: IOPolicy) -> bool:
+        """Whether reads under ``policy`` go through a page cache other processes can
+        map (not direct, not a network filesystem's)."""
+        return not policy.direct and not is_network_type(policy.fs_type)
 
     def _read_header(self, entry: FileEntry, policy: IOPolicy, open_source: Opener) -> Header:
         """The file's header, retried like any read; a file that changed since it was
@@ -172,11 +197,11 @@ class TensorDelivery:
         self.interrupted = exc
         self.ready.put(exc)
 
-    def taken(self, tensor: Any) -> None:
-        """The consumer received ``tensor``, one a sink emitted: a tensor assembled on the
-        host leaves the budget once its consumer has it."""
-        if self.pool is None:
-            self.budget.release(tensor.untyped_storage().nbytes())
+    def taken(self, event: TensorReady) -> None:
+        """The consumer received ``event``'s tensor, one a sink emitted: a tensor
+        assembled on the host leaves the budget once its consumer has it."""
+        if self.pool is None and event.rel not in self._in_page_cache:
+            self.budget.release(event.tensor.untyped_storage().nbytes())
 
 
 class HandOver(Generator[Event, None, "EngineStats | None"]):
@@ -261,7 +286,7 @@ class HandOver(Generator[Event, None, "EngineStats | None"]):
                 raise self._outcome["error"]
             raise StopIteration(self._outcome["stats"])
         if isinstance(event, TensorReady):
-            delivery.taken(event.tensor)
+            delivery.taken(event)
             return self._handed(event)
         return event
 

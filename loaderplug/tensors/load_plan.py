@@ -28,10 +28,13 @@ def load_plan(
     local_dir: str | os.PathLike[str] | None = None,
     *,
     lock_each_file: bool = False,
+    through_page_cache: bool = False,
 ) -> Plan:
     """The plan of a load: each file read in place, or with ``local_dir`` hydrated there
     (same name) in the same pass, under that folder's lock (with ``lock_each_file``,
-    under a lock per file instead)."""
+    under a lock per file instead). With ``through_page_cache`` a file read in place is
+    read into the page cache and its tensors are mappings of it (ranks of a host that
+    share it)."""
     files = [Path(p) for p in paths]
     local = Path(local_dir) if local_dir is not None else None
 
@@ -57,7 +60,7 @@ def load_plan(
         list_files=list_files,
         locks=_locks(local, files, lock_each_file),
         leftovers=lambda: [t for f in files for t in temps_of(local / f.name)] if local else [],
-        delivery=TensorDelivery(device, settings),
+        delivery=TensorDelivery(device, settings, through_page_cache=through_page_cache),
     )
 
 

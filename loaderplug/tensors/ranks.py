@@ -189,11 +189,20 @@ def shared_tensors(
         owner = owners(sizes, share.size)
         mine = [f for f, r in zip(files, owner, strict=True) if r == share.rank]
         mode = sharing_mode(files, device, local, settings)
-        if mode in ("pagecache", "stream"):
+        in_page_cache = mode in ("pagecache", "stream")
+        if in_page_cache:
             # Buffered, so what this rank reads (and writes) stays in the page cache for
-            # the others to map.
+            # the others to map; a file read in place is mapped by this rank too, so the
+            # host holds it once (a one pass keeps its own tensors: it writes them).
             settings = settings.replace(direct_io="off")
-        plan = load_plan(mine, device, settings, local, lock_each_file=True)
+        plan = load_plan(
+            mine,
+            device,
+            settings,
+            local,
+            lock_each_file=True,
+            through_page_cache=in_page_cache and local is None,
+        )
         runner = Runner(plan, settings)
         delivery = plan.delivery
         assert isinstance(delivery, TensorDelivery)

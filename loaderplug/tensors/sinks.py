@@ -2,8 +2,10 @@
 
 :class:`TensorSink` assembles a file's bytes in host memory; :class:`DeviceTensorSink`
 sends each landed range to device memory through pinned staging (see
-:mod:`loaderplug.tensors.staging`). :func:`mapped_tensors` serves a file that is in memory already
-(tmpfs, a warm page cache) over a private mapping instead, as safetensors does.
+:mod:`loaderplug.tensors.staging`); :class:`PageCacheTensorSink` lets the page cache hold
+a file's bytes and hands over mappings of them. :class:`MappedTensors` serves a file that
+is in memory already (tmpfs, a warm page cache) over a private mapping, as safetensors
+does.
 """
 
 from __future__ import annotations
@@ -236,6 +238,56 @@ class TensorSink:
             self._release(unclaimed)
         if self._pages is not None:
             self._pages.release_rest()
+
+
+class PageCacheTensorSink:
+    """Hands over each tensor of a local file, once its bytes landed, as a mapping of the
+    file (see :class:`MappedFile`), never a copy of its own.
+
+    For ranks of a host sharing a load through the page cache: the engine reads the file
+    buffered into its own reused buffers, which leaves the bytes in the page cache, and
+    this sink only counts what landed. The tensor then shares the page cache's pages
+    with every other rank's mapping of the same file: the host holds the model once, and
+    the reading rank neither zeroes fresh memory for it nor keeps it in its budget.
+    """
+
+    def __init__(self, header: Header, emit: Emit) -> None:
+        self.header = header
+        self.emit = emit
+        self._coverage = _Coverage(header)
+        self._file: MappedFile | None = None
+        self._lock = threading.Lock()
+
+    def prepare(self) -> None:
+        self._file = MappedFile(self.header)
+        for t in self.header.tensors:
+            if not t.nbytes:
+                self.emit(t.name, self._file.tensor(t.name))
+
+    def write(self, data: memoryview, offset: int) -> None:
+        # ``data`` was read buffered: its bytes are in the page cache the mapping shares.
+        done = self._coverage.landed(offset, offset + len(data))
+        if not done:
+            return
+        with self._lock:
+            file = self._file
+        if file is not None:
+            for t in done:
+                self.emit(t.name, file.tensor(t.name))
+
+    def commit(self) -> None:
+        self._coverage.check_complete(self.header.path)
+        self._close()
+
+    def abort(self) -> None:
+        self._coverage.abort()
+        self._close()
+
+    def _close(self) -> None:
+        with self._lock:
+            file, self._file = self._file, None
+        if file is not None:
+            file.close()
 
 
 class DeviceTensorSink:
