@@ -197,6 +197,13 @@ def test_load_says_what_it_read_and_what_it_only_mapped(model: Path) -> None:
     assert all(mode.startswith("buffered") for mode in figures["io"].values())
 
 
+def test_load_of_a_folder_loads_its_safetensors_files(model: Path) -> None:
+    pytest.importorskip("torch")
+    figures = json.loads(run("load", str(model), "--json").stdout)
+    assert figures["tensors"] == 16  # 4 shards x 4 tensors
+    assert sorted(figures["io"]) == sorted(map(str, model.glob("*.safetensors")))
+
+
 @pytest.mark.slow
 def test_load_of_a_corrupt_file_exits_1_with_the_format_error(tmp_path: Path) -> None:
     pytest.importorskip("torch")

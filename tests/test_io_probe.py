@@ -93,13 +93,23 @@ def test_the_faster_mode_wins_and_a_near_tie_keeps_the_guess(
     buffered_s: float,
     chosen: bool,
 ) -> None:
-    def timed(path: str, policy: IOPolicy, start: int, length: int) -> tuple[int, float]:
+    slices: list[tuple[bool, int]] = []
+
+    def timed(
+        path: str, policy: IOPolicy, start: int, length: int, seconds: float
+    ) -> tuple[int, float]:
+        slices.append((policy.direct, start))
         return 100 * MiB, direct_s if policy.direct else buffered_s
 
     monkeypatch.setattr(io_probe, "_read_region", timed)
     guess = decide(big, "on" if guess_direct else "off")
     measured = io_probe.probe(str(big), "key", guess, 4096)
     assert measured is not None and measured.direct is chosen
+    # The modes take turns (direct, buffered, buffered, direct: a drift weighs on both),
+    # over regions spread across the file.
+    assert [direct for direct, _ in slices] == [True, False, False, True]
+    starts = [start for _, start in slices]
+    assert starts == sorted(set(starts)) and starts[-1] >= big.stat().st_size // 2
 
 
 def test_forced_modes_probing_off_and_warm_files_keep_the_table(

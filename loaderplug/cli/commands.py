@@ -72,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
         "load", help="read safetensors files (and hydrate them in the same pass with --to)"
     )
     load.add_argument(
-        "paths", nargs="*", metavar="PATH", help="files; default: *.safetensors in --from"
+        "paths", nargs="*", metavar="PATH", help="files, or folders of them; default: *.safetensors in --from"
     )
     load.add_argument("--device", default="cpu")
     load.add_argument("--from", dest="src", metavar="MIRROR", help="folder the files are in")
@@ -127,6 +127,8 @@ def _load(args: argparse.Namespace) -> int:
     paths = [Path(p) for p in args.paths]
     if args.src:
         paths = [Path(args.src) / p for p in paths] or sorted(Path(args.src).glob("*.safetensors"))
+    # A folder named as a PATH stands for its safetensors files, as with --from.
+    paths = [f for p in paths for f in (sorted(p.glob("*.safetensors")) if p.is_dir() else [p])]
     if not paths:
         raise _UsageError("nothing to load: name safetensors files, or a folder with --from")
     count = nbytes = 0

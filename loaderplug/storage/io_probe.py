@@ -36,8 +36,9 @@ PROBE_SECONDS = 1.0
 # Readers and read size: the engine's own, so the figures are the engine's.
 PROBE_READERS = 8
 PROBE_STEP = 4 * MiB
-# Files smaller than this cannot tell the two modes apart: each reader needs a few reads.
-SMALLEST_PROBED = 2 * PROBE_READERS * PROBE_STEP
+# Files smaller than this cannot tell the two modes apart: each reader needs a read in
+# each of the probe's four slices.
+SMALLEST_PROBED = 4 * PROBE_READERS * PROBE_STEP
 # A file this much in the page cache would flatter buffered reads: not probed.
 COLDEST_PROBED = 0.05
 # Files of a folder looked at for one to measure with.
@@ -158,19 +159,31 @@ def _size(path: str) -> int:
 
 
 def probe(path: str, key: str, guess: IOPolicy, alignment: int) -> Measurement | None:
-    """Read ``path`` direct (its first part) and buffered (its last part), each with
-    :data:`PROBE_READERS` readers, within the budgets; None if it could not be read."""
+    """Read parts of ``path`` direct and buffered, each with :data:`PROBE_READERS`
+    readers, within the budgets; None if it could not be read.
+
+    The modes take turns in four slices (direct, buffered, buffered, direct) over four
+    regions spread across the file: a disk whose speed drifts while it is measured (a
+    neighbour starts reading, a cache fills) weighs on both modes alike, and neither
+    gets only the fast or the slow part of the disk."""
     size = os.path.getsize(path)
-    half = min(PROBE_BYTES, size) // 2 // PROBE_STEP * PROBE_STEP
+    quarter = min(PROBE_BYTES, size) // 4 // PROBE_STEP * PROBE_STEP
     direct_policy = IOPolicy(True, alignment, guess.fs_type, "probe")
     buffered_policy = IOPolicy.buffered(guess.fs_type, "probe")
+    slices = (direct_policy, buffered_policy, buffered_policy, direct_policy)
+    figures = {True: [0, 0.0], False: [0, 0.0]}  # direct? -> [bytes, seconds]
     started = time.monotonic()
     try:
-        direct_bytes, direct_s = _read_region(path, direct_policy, 0, half)
-        buffered_bytes, buffered_s = _read_region(path, buffered_policy, size - half, half)
+        for i, policy in enumerate(slices):
+            start = i * size // 4 // PROBE_STEP * PROBE_STEP
+            nbytes, seconds = _read_region(path, policy, start, quarter, PROBE_SECONDS / 4)
+            figures[policy.direct][0] += nbytes
+            figures[policy.direct][1] += seconds
+            if not policy.direct:  # the job's buffered reads must not find them cached
+                _forget(path, start, quarter)
     except OSError:
         return None
-    _forget(path, size - half, half)  # the job's buffered reads must not find them cached
+    (direct_bytes, direct_s), (buffered_bytes, buffered_s) = figures[True], figures[False]
     direct_speed = direct_bytes / MiB / direct_s if direct_s else 0.0
     buffered_speed = buffered_bytes / MiB / buffered_s if buffered_s else 0.0
     if guess.direct:
@@ -183,18 +196,20 @@ def probe(path: str, key: str, guess: IOPolicy, alignment: int) -> Measurement |
         direct=direct,
         direct_mib_s=round(direct_speed, 1),
         buffered_mib_s=round(buffered_speed, 1),
-        bytes_read=direct_bytes + buffered_bytes,
+        bytes_read=int(direct_bytes + buffered_bytes),
         seconds=round(time.monotonic() - started, 3),
         date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         sample=path,
     )
 
 
-def _read_region(path: str, policy: IOPolicy, start: int, length: int) -> tuple[int, float]:
-    """Read ``[start, start + length)`` with parallel readers for about half the probe's
-    time; the bytes read and the seconds it took."""
+def _read_region(
+    path: str, policy: IOPolicy, start: int, length: int, seconds: float
+) -> tuple[int, float]:
+    """Read ``[start, start + length)`` with parallel readers for at most about
+    ``seconds``; the bytes read and the seconds it took."""
     offsets = iter(range(start, start + length, PROBE_STEP))
-    deadline = time.monotonic() + PROBE_SECONDS / 2
+    deadline = time.monotonic() + seconds
     lock = threading.Lock()
     done = [0]
 
