@@ -62,7 +62,8 @@ def job_seconds(command: list[str], env: dict[str, str]) -> float:
 def contender_env(contender: str, cache: Path) -> dict[str, str]:
     if contender in FORCED:
         return {"LOADERPLUG_DIRECT_IO": FORCED[contender], "LOADERPLUG_IO_PROBE": "0"}
-    return {"LOADERPLUG_DIRECT_IO": "auto", "LOADERPLUG_IO_PROBE": "1", "XDG_CACHE_HOME": str(cache)}
+    probing = {"LOADERPLUG_IO_PROBE": "1", "XDG_CACHE_HOME": str(cache)}
+    return {"LOADERPLUG_DIRECT_IO": "auto", **probing}
 
 
 def probe_mount(sample: Path, cache: Path, backing: list[Path]) -> dict[str, Any]:

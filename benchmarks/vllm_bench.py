@@ -97,20 +97,59 @@ def child(spec: dict[str, Any]) -> None:
         _time_runai_load_weights()
     # 16 MiB of KV cache holds 128 tokens of this model; max_model_len is 256.
     kwargs = {**LLM_KWARGS, "kv_cache_memory_bytes": KV_CACHE_BYTES}
+    if spec.get("tp", 1) > 1:
+        kwargs.update(tensor_parallel_size=spec["tp"], distributed_executor_backend="mp")
     started = time.perf_counter()
     gc.freeze()
     llm = LLM(model=spec["model"], load_format=spec["load_format"], **kwargs)
     init_s = time.perf_counter() - started
+    # Each rank's peak RSS: the workers' processes at TP > 1, this one's (engine and
+    # worker in one process) at TP = 1.
+    ranks_rss = _peak_rss_of(_descendants(os.getpid())) if spec.get("tp", 1) > 1 else []
+    ranks_rss = ranks_rss or _peak_rss_of([os.getpid()])
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
     (output,) = llm.generate([PROMPT], params, use_tqdm=False)
     completion = output.outputs[0]
     result = {
         "init_s": round(init_s, 2),
+        "ranks_rss": ranks_rss,
         "token_ids": list(completion.token_ids),
         "text": completion.text,
     }
     print(RESULT + json.dumps(result), flush=True)
     llm.llm_engine.engine_core.shutdown()
+
+
+def _descendants(pid: int) -> list[int]:
+    """The processes below ``pid`` that run Python (vLLM's workers)."""
+    parents: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            parents[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
+    found, frontier = [], [pid]
+    while frontier:
+        below = [p for p, parent in parents.items() if parent in frontier]
+        found += below
+        frontier = below
+    return [p for p in found if _peak_rss_of([p]) and _peak_rss_of([p])[0] > 100 * MiB]
+
+
+def _peak_rss_of(pids: list[int]) -> list[int]:
+    """Each process's peak RSS so far (VmHWM), bytes."""
+    peaks = []
+    for pid in pids:
+        try:
+            status = Path(f"/proc/{pid}/status").read_text()
+        except OSError:
+            continue
+        for line in status.splitlines():
+            if line.startswith("VmHWM:"):
+                peaks.append(int(line.split()[1]) * 1024)
+    return peaks
 
 
 def _time_runai_load_weights() -> None:
@@ -159,13 +198,13 @@ def write_model(folder: Path, layers: int) -> int:
     return sum(p.stat().st_size for p in shards)
 
 
-def run_child(model: Path, load_format: str, env: dict[str, str]) -> dict[str, Any]:
+def run_child(model: Path, load_format: str, env: dict[str, str], tp: int = 1) -> dict[str, Any]:
     """One ``LLM()`` in its own process: its figures, or why it failed."""
     cmd = [
         sys.executable,
         __file__,
         "--child",
-        json.dumps({"model": str(model), "load_format": load_format}),
+        json.dumps({"model": str(model), "load_format": load_format, "tp": tp}),
     ]
     try:
         seconds, rss, out = run_timed(cmd, env)
@@ -178,7 +217,8 @@ def run_child(model: Path, load_format: str, env: dict[str, str]) -> dict[str, A
     result = json.loads(found[-1][len(RESULT) :])
     return {
         "ok": True,
-        "weights_s": float(weights[-1]),
+        "weights_s": max(float(w) for w in weights),  # the slowest rank's, at TP > 1
+        "ranks_rss": result["ranks_rss"],
         "init_s": result["init_s"],
         "process_s": round(seconds, 2),
         "rss": rss,
@@ -187,9 +227,16 @@ def run_child(model: Path, load_format: str, env: dict[str, str]) -> dict[str, A
     }
 
 
-def run_contender(name: str, work: Path, backing: Path, reference: Path) -> dict[str, Any]:
+def run_contender(
+    name: str, work: Path, backing: Path, reference: Path, tp: int = 1
+) -> dict[str, Any]:
     """One run of ``name``; the volume is mounted afresh, so it starts with nothing cached."""
     env = {"LOADERPLUG_PROGRESS": "0", "TMPDIR": str(work)}
+    if tp > 1:
+        # One core per worker (vLLM's CPU backend refuses without NUMA nodes otherwise);
+        # vLLM's own logging, so the workers log their weights time too.
+        env.update(VLLM_CPU_OMP_THREADS_BIND="|".join(map(str, range(tp))))
+        env.update(VLLM_CONFIGURE_LOGGING="1")
     copy_s = 0.0
     if name == ST_LOCAL:
         still_cached = drop_cache(reference)
@@ -203,10 +250,11 @@ def run_contender(name: str, work: Path, backing: Path, reference: Path) -> dict
     with mounted(backing, mnt, PROFILE) as vol:
         on_mount = mnt / "model"
         if name == VOLCACHE:
-            run = run_child(on_mount, "volcache", {**env, "LOADERPLUG_LOCAL_COPIES": str(local)})
+            local_copies = {**env, "LOADERPLUG_LOCAL_COPIES": str(local)}
+            run = run_child(on_mount, "volcache", local_copies, tp)
         elif name == CP_THEN_ST:
             copy_s, _rss, _out = run_timed(["cp", "-r", str(on_mount), str(local / "model")])
-            run = run_child(local / "model", "safetensors", env)
+            run = run_child(local / "model", "safetensors", env, tp)
         else:
             load_format = "runai_streamer" if name == RUNAI else "safetensors"
             run = run_child(on_mount, load_format, env)
@@ -291,6 +339,40 @@ def hub_section(work: Path, backing: Path, rounds: int) -> tuple[str, dict[str, 
     return "\n".join(lines), results
 
 
+def tp_section(
+    work: Path, backing: Path, reference: Path, rounds: int, size: int
+) -> tuple[str, Any]:
+    """volcache and cp -r + safetensors at TP = 1 and 2: weights time and each rank's
+    peak RSS."""
+    cases = [(name, tp) for tp in (1, 2) for name in (VOLCACHE, CP_THEN_ST)]
+    results: dict[str, list[dict[str, Any]]] = {f"{n}, TP={tp}": [] for n, tp in cases}
+    for round_ in range(rounds):
+        shift = round_ % len(cases)
+        for name, tp in cases[shift:] + cases[:shift]:
+            run = run_contender(name, work, backing, reference, tp)
+            results[f"{name}, TP={tp}"].append(run)
+            rss = ", ".join(f"{r / MiB:.0f}" for r in run.get("ranks_rss", []))
+            say_run(round_, f"{name}, TP={tp}", run, f"ranks' peak RSS {rss} MiB")
+    lines = [
+        "| contender | weights s (slowest rank) | copy s | total s | peak RSS per rank | "
+        "volume bytes / model |",
+        "|---|---|---|---|---|---|",
+    ]
+    for label, runs in results.items():
+        ok = [r for r in runs if r["ok"]]
+        if not ok:
+            lines.append(f"| {label} | failed | | | | |")
+            continue
+        per_rank = zip(*(r["ranks_rss"] for r in ok), strict=False)
+        rss = " / ".join(f"{max(peaks) / MiB:.0f} MiB" for peaks in per_rank)
+        lines.append(
+            f"| {label} | {cell([r['weights_s'] for r in ok])} | "
+            f"{cell([r['copy_s'] for r in ok])} | {cell([r['total_s'] for r in ok])} | {rss} | "
+            f"{statistics.median(r['volume_bytes_read'] for r in ok) / size:.2f} |"
+        )
+    return "\n".join(lines), results
+
+
 def say_run(round_: int, name: str, run: dict[str, Any], more: str) -> None:
     """One progress line: a run's figures, or why it failed."""
     figures = (
@@ -353,6 +435,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="a 256 MiB model")
     parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument(
+        "--tensor-parallel",
+        action="store_true",
+        help="only the TP=1 against TP=2 table (writes vllm_tp.md)",
+    )
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, default=HERE / "results")
     args = parser.parse_args()
@@ -383,6 +470,10 @@ def main() -> None:
         reference = work / "reference" / "model"
         shutil.copytree(backing / "model", reference)
         print(f"model: {size / MiB:.0f} MiB in {time.perf_counter() - started:.1f} s", flush=True)
+        if args.tensor_parallel:
+            tp_text, tp_results = tp_section(work, backing, reference, args.rounds, size)
+            write_tp(args, size, layers, tp_text, tp_results)
+            return
         for round_ in range(args.rounds):
             shift = round_ % len(names)
             for name in names[shift:] + names[:shift]:
@@ -441,6 +532,29 @@ def main() -> None:
             },
             indent=1,
         )
+    )
+    print(text)
+
+
+def write_tp(args: argparse.Namespace, size: int, layers: int, text: str, raw: Any) -> None:
+    header = (
+        "# vLLM at tensor parallel 2 against 1, from the volume\n\n"
+        f"The random fp32 Llama of vllm.md ({size / MiB:.0f} MiB, {layers} layers) on the "
+        f"same FUSE test volume, mounted afresh for every run; vLLM {_vllm_version()} CPU "
+        f"build on {os.cpu_count()} cores, TP=2 with the `mp` executor on gloo, one core per "
+        "worker (`VLLM_CPU_OMP_THREADS_BIND=0|1`). volcache hydrates into an empty local "
+        "copy and loads in one pass (at TP=2 the two workers split the shards and share "
+        "the page cache); cp -r + safetensors copies first. Weights s: vLLM's \"Loading "
+        "weights took\" of the slowest rank; peak RSS per rank: each worker process's "
+        "VmHWM after `LLM()` (at TP=1 the engine and the worker are one process); "
+        f"{args.rounds} round(s), alternating, median (min-max). Command: `python "
+        f"benchmarks/vllm_bench.py --tensor-parallel{' --quick' if args.quick else ''}"
+        f"{f' --rounds {args.rounds}' if args.rounds != 1 else ''}`.\n\n"
+    )
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "vllm_tp.md").write_text(header + text + "\n")
+    (args.out / "vllm_tp.json").write_text(
+        json.dumps({"model_bytes": size, "layers": layers, "results": raw}, indent=1)
     )
     print(text)
 

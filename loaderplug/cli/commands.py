@@ -72,7 +72,10 @@ def build_parser() -> argparse.ArgumentParser:
         "load", help="read safetensors files (and hydrate them in the same pass with --to)"
     )
     load.add_argument(
-        "paths", nargs="*", metavar="PATH", help="files, or folders of them; default: *.safetensors in --from"
+        "paths",
+        nargs="*",
+        metavar="PATH",
+        help="files, or folders of them; default: *.safetensors in --from",
     )
     load.add_argument("--device", default="cpu")
     load.add_argument("--from", dest="src", metavar="MIRROR", help="folder the files are in")
