@@ -191,6 +191,21 @@ def test_two_hosts_each_read_the_model_once_and_keep_their_own_copy(
             assert (tmp_path / host / f.name).read_bytes() == f.read_bytes()
 
 
+def test_a_stream_rank_that_cannot_map_a_file_fails_the_load_on_every_rank(
+    tmp_path: Path, model8: list[Path]
+) -> None:
+    """A receiver that cannot map another rank's file says so at the next step: every
+    rank raises, naming it and the file, and none waits for it."""
+    outs, _ = run_ranks(
+        tmp_path, model8, 2, {"LOADERPLUG_RANK_SHARING": "stream"}, {1: {"RANK_MAP_FAIL": "1"}}
+    )
+    for out in outs:
+        error = out.get("error") or ""
+        assert error.startswith("DistributedError: rank 1 of the shared load failed"), out
+        assert "cannot map model-" in error and "Cannot allocate memory" in error
+    assert len(outs[0]["tensors"]) < len(expected(model8))
+
+
 @pytest.mark.parametrize("sharing", ["pagecache", "broadcast", "stream"])
 def test_ranks_divide_the_hosts_memory_budget(tmp_path: Path, sharing: str) -> None:
     """LOADERPLUG_BYTES_IN_FLIGHT bounds the host: each of two ranks loads within half of

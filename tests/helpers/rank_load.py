@@ -7,7 +7,8 @@ whose name contains it fail with EACCES), RANK_DIE_AFTER (this rank dies after t
 tensors), RANK_DIE_AT_S (this rank kills itself with SIGKILL that many seconds into the
 load, whatever it is doing, saying "dying at <unix time>" on stderr first),
 RANK_CONSUMER_SLEEP_S (the consumer sleeps that long over the first tensor),
-RANK_TENSOR_SLEEP_S (and that long over every tensor), RANK_GROUP=none (no group
+RANK_TENSOR_SLEEP_S (and that long over every tensor), RANK_MAP_FAIL (this rank cannot
+map the other ranks' files: ENOMEM, as when the address space runs out), RANK_GROUP=none (no group
 passed: the default group is found), and every LOADERPLUG_* setting. Prints {"tensors":
 {name: [dtype, shape, crc32]}, "reads": {file: bytes read through the source hook},
 "read_paths": the same by path, "error": message or null, "seconds": s, "failed_at":
@@ -83,6 +84,13 @@ def main() -> int:
     tensor_sleep = float(os.environ.get("RANK_TENSOR_SLEEP_S", "0"))
     if die_at:
         threading.Timer(die_at, die).start()
+    if os.environ.get("RANK_MAP_FAIL"):
+        from loaderplug.tensors import ranks
+
+        def refuse(self: object, index: int) -> None:
+            raise OSError(errno.ENOMEM, os.strerror(errno.ENOMEM))
+
+        ranks._MappedFiles._map = refuse  # type: ignore[assignment,method-assign]
     group = None if os.environ.get("RANK_GROUP") == "none" else dist.group.WORLD
     out: dict[str, object] = {"tensors": {}, "error": None}
     base_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # torch, the group
