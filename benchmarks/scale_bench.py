@@ -93,6 +93,11 @@ def child(args: argparse.Namespace) -> None:
             timeout=datetime.timedelta(seconds=600),
         )
         group = dist.group.WORLD
+    import resource
+
+    # The process's peak before the load (torch, the group): the load's own memory is
+    # what the peak grows past it.
+    rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     started = time.perf_counter()
     cpu_started = time.process_time()  # every thread's CPU, the load's alone
     first: float | None = None
@@ -134,7 +139,8 @@ def child(args: argparse.Namespace) -> None:
         loader.close()
     seconds = time.perf_counter() - started
     cpu = time.process_time() - cpu_started
-    print(json.dumps({"seconds": seconds, "first": first, "count": count, "cpu": cpu}))
+    figures = {"seconds": seconds, "first": first, "count": count, "cpu": cpu}
+    print(json.dumps({**figures, "rss_before": rss_before}))
 
 
 def run_ranks(
@@ -176,6 +182,22 @@ def run_ranks(
 
 
 # -- measuring --------------------------------------------------------------------------
+
+
+def rss_bound(world: int, shared: bool) -> int:
+    """A rank's bound: its part of the host's bytes in flight + 2 x the largest tensor +
+    256 MiB (ranks sharing a load divide the bytes in flight)."""
+    part = IN_FLIGHT // world if shared else IN_FLIGHT
+    return part + 2 * LARGEST + 256 * MiB
+
+
+def rss_cell(row: dict[str, Any], bound: int | None) -> str:
+    """Peak RSS of the largest rank, how much of it the load added, and (for loaderplug)
+    whether it is within the bound."""
+    if bound is None:
+        return f"{row['rss'] / MiB:.0f} MiB (+{row['rss_growth'] / MiB:.0f})"
+    within = "within" if row["rss"] <= bound else "over"
+    return f"{row['rss'] / MiB:.0f} MiB (+{row['rss_growth'] / MiB:.0f}, {within} {bound // MiB})"
 
 
 def block_device_of(path: Path) -> Path:
@@ -254,6 +276,7 @@ def local_ranks_table(model: Path, worlds: list[int]) -> tuple[str, list[dict[st
                     "load": max(r["seconds"] for r in ranks),
                     "device_bytes": device,
                     "rss": max(r["rss"] for r in ranks),
+                    "rss_growth": max(r["rss"] - r["rss_before"] for r in ranks),
                     # CPU of every rank together, per GiB of the model: what carries to a
                     # machine with more cores.
                     "cpu_per_gib": sum(r.get("cpu", 0.0) for r in ranks) / (model_bytes / GiB),
@@ -265,7 +288,7 @@ def local_ranks_table(model: Path, worlds: list[int]) -> tuple[str, list[dict[st
         "every tensor. Wall: launch to the last rank's last tensor (start-up included); "
         "load: the slowest rank's load alone.\n",
         "| N | contender | wall s | load s | x safe_open per rank (load) | device bytes "
-        "/ model | peak RSS (largest rank) | CPU s per GiB (all ranks) |",
+        "/ model | peak RSS, largest rank (+ in the load, bound) | CPU s per GiB (all ranks) |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for world in worlds:
@@ -278,9 +301,14 @@ def local_ranks_table(model: Path, worlds: list[int]) -> tuple[str, list[dict[st
                 lines.append(f"| {world} | {r['contender']} | failed | | | | | |")
                 continue
             ratio = f"{r['load'] / base['load']:.2f}" if base and "load" in base else ""
+            bound = (
+                rss_bound(world, shared="group" in r["contender"])
+                if r["contender"].startswith("loaderplug")
+                else None
+            )
             lines.append(
                 f"| {world} | {r['contender']} | {r['wall']:.2f} | {r['load']:.2f} | {ratio} | "
-                f"{r['device_bytes'] / model_bytes:.2f} | {r['rss'] / MiB:.0f} MiB | "
+                f"{r['device_bytes'] / model_bytes:.2f} | {rss_cell(r, bound)} | "
                 f"{r['cpu_per_gib']:.2f} |"
             )
     return "\n".join(lines), rows
@@ -332,6 +360,7 @@ def mirror_ranks_table(
                     "first": max(r["first"] for r in ranks),
                     "volume_bytes": served,
                     "rss": max(r["rss"] for r in ranks),
+                    "rss_growth": max(r["rss"] - r["rss_before"] for r in ranks),
                     "cpu_per_gib": sum(r.get("cpu", 0.0) for r in ranks) / (model_bytes / GiB),
                 }
             )
@@ -344,8 +373,8 @@ def mirror_ranks_table(
         f"from the load's start to the rank's last tensor, torch's import and the group's "
         f"start-up left out, as in the hydrate's figure.\n",
         "| N | sharing | wall s | load s (slowest rank) | x floor (load) | x hydrate (load) | "
-        "volume bytes / model | first tensor s (latest rank) | first / load | peak RSS "
-        "(largest rank) | CPU s per GiB (all ranks) |",
+        "volume bytes / model | first tensor s (latest rank) | first / load | peak RSS, "
+        "largest rank (+ in the load, bound) | CPU s per GiB (all ranks) |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
@@ -353,7 +382,8 @@ def mirror_ranks_table(
             f"| {r['world']} | {r['sharing']} | {r['wall']:.2f} | {r['load']:.2f} | "
             f"{r['load'] / floor:.2f} | "
             f"{r['load'] / hydrate_s:.2f} | {r['volume_bytes'] / model_bytes:.2f} | "
-            f"{r['first']:.2f} | {r['first'] / r['load']:.0%} | {r['rss'] / MiB:.0f} MiB | "
+            f"{r['first']:.2f} | {r['first'] / r['load']:.0%} | "
+            f"{rss_cell(r, rss_bound(r['world'], shared=True))} | "
             f"{r['cpu_per_gib']:.2f} |"
         )
     return "\n".join(lines), [*rows, {"hydrate_s": hydrate_s, "floor_s": floor}]
