@@ -233,3 +233,46 @@ def test_ranks_divide_the_hosts_memory_budget(tmp_path: Path, sharing: str) -> N
         assert out.get("error") is None and out["sharing"] == sharing, (rank, out)
         assert out["bytes_in_flight"] == part
         assert out["rss_growth"] <= bound, (rank, out["rss_growth"] / MiB, bound / MiB)
+
+
+class _Work:
+    """A collective as gloo hands it back: each wait raises or returns in turn."""
+
+    def __init__(self, *waits: str) -> None:
+        self.waits = list(waits)  # "timeout", "done" or "failed"
+
+    def wait(self, timeout: object = None) -> bool:
+        said = self.waits.pop(0)
+        if said == "timeout":
+            raise RuntimeError("Operation timed out!")
+        if said == "failed":
+            raise RuntimeError("Connection closed by peer")
+        return True
+
+    def is_completed(self) -> bool:
+        return len(self.waits) <= 1  # completed by the time the slice ran out
+
+
+@pytest.mark.parametrize(("second_wait", "fails"), [("done", False), ("failed", True)])
+def test_a_collective_that_completes_as_its_wait_runs_out_is_done_not_failed(
+    second_wait: str, fails: bool
+) -> None:
+    """A slice of a wait can run out ("timed out") just before the collective completes;
+    it is then done if it went well (a rank once failed a sound load so), and an error
+    only if waiting for it again raises."""
+    from loaderplug.errors import DistributedError
+    from loaderplug.tensors.peers import PeerWatch
+    from loaderplug.tensors.ranks import Share, _Steps
+
+    steps = _Steps(
+        Share(group=None, rank=0, size=2, global_ranks=(0, 1), timeout_s=60), PeerWatch(())
+    )
+    try:
+        if fails:
+            with pytest.raises(DistributedError, match="stopped answering"):
+                steps._wait(_Work("timeout", second_wait))
+        else:
+            steps._wait(_Work("timeout", second_wait))
+            assert steps.pending is None
+    finally:
+        steps.watch.close()

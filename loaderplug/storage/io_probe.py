@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 from loaderplug.storage.files import write_atomically
 from loaderplug.storage.residency import WARM_FRACTION, cached_fraction
@@ -87,10 +88,33 @@ def mount_key(path: str, fs_type: str) -> str:
 
 def recorded(key: str) -> Measurement | None:
     try:
-        entries = json.loads(cache_file().read_text())
-        return Measurement(**entries[key])
-    except (OSError, ValueError, KeyError, TypeError):
+        return Measurement(**_entries()[key])
+    except (KeyError, TypeError):
         return None
+
+
+# The cache file as last parsed, by its path and (mtime, size, inode): a job decides the
+# policy of every file it reads, and reads the file again only once it changed.
+_parsed: tuple[str, tuple[int, int, int], Any] | None = None
+
+
+def _entries() -> Any:
+    global _parsed
+    path = cache_file()
+    try:
+        st = os.stat(path)
+    except OSError:
+        return {}
+    signature = (st.st_mtime_ns, st.st_size, st.st_ino)
+    parsed = _parsed
+    if parsed is not None and parsed[:2] == (str(path), signature):
+        return parsed[2]
+    try:
+        entries = json.loads(path.read_text())
+    except (OSError, ValueError):
+        entries = {}
+    _parsed = (str(path), signature, entries)
+    return entries
 
 
 def _record(key: str, measurement: Measurement) -> None:

@@ -330,8 +330,8 @@ class HandOver(Generator[Event, None, "EngineStats | None"]):
             worker.join(0.1)  # timed: the consumer's thread stays able to take Ctrl-C
 
 
-class TensorsOf(Iterator[tuple[str, Any]]):
-    """The ``(name, tensor)`` pairs among a load's events.
+class ReadyOf(Iterator[TensorReady]):
+    """The :class:`TensorReady` events among a load's events (each names its file).
 
     With ``pause_at_files`` an iteration ends at each file finished (:attr:`finished`
     tells which) and the next one resumes after it; :attr:`done` is set once the events
@@ -345,11 +345,7 @@ class TensorsOf(Iterator[tuple[str, Any]]):
         self.finished: FileResult | None = None
         self.done = False
 
-    def __next__(self) -> tuple[str, Any]:
-        event = self._next_ready()
-        return event.name, event.tensor
-
-    def _next_ready(self) -> TensorReady:
+    def __next__(self) -> TensorReady:
         self.finished = None
         for event in self._events:
             if isinstance(event, TensorReady):
@@ -363,12 +359,25 @@ class TensorsOf(Iterator[tuple[str, Any]]):
         raise StopIteration
 
 
-class ReadyOf(Iterator[TensorReady]):
-    """The :class:`TensorReady` events among a load's events (each names its file); a
-    failed file raises :class:`~loaderplug.errors.LoaderplugError`."""
+class TensorsOf(Iterator[tuple[str, Any]]):
+    """The ``(name, tensor)`` pairs among a load's events, as :class:`ReadyOf` finds
+    them (``pause_at_files``, :attr:`finished` and :attr:`done` as there)."""
 
-    def __init__(self, events: Iterator[Any]) -> None:
-        self._tensors = TensorsOf(events)
+    def __init__(self, events: Iterator[Any], *, pause_at_files: bool = False) -> None:
+        self._ready = ReadyOf(events, pause_at_files=pause_at_files)
 
-    def __next__(self) -> TensorReady:
-        return self._tensors._next_ready()
+    @property
+    def finished(self) -> FileResult | None:
+        return self._ready.finished
+
+    @property
+    def done(self) -> bool:
+        return self._ready.done
+
+    @done.setter
+    def done(self, value: bool) -> None:
+        self._ready.done = value
+
+    def __next__(self) -> tuple[str, Any]:
+        event = next(self._ready)
+        return event.name, event.tensor

@@ -585,9 +585,24 @@ class _Steps:
             except RuntimeError as exc:
                 if not work.is_completed():
                     continue  # only this slice of the wait ran out
+                if _completed_well(work):
+                    # The slice ran out a moment before the collective completed:
+                    # gloo says "timed out", yet it is done and went well.
+                    self.pending = None
+                    return
                 # A peer's death closes its sockets a moment before it is seen to exit.
                 self.watch.check(wait_s=PEER_EXIT_S)
                 raise _stopped_answering(exc) from exc
+
+
+def _completed_well(work: Any) -> bool:
+    """Whether a completed collective succeeded: waiting for it again returns at once
+    if it did, and raises its error if it failed."""
+    try:
+        work.wait(timeout=_Steps.WAKE)
+    except RuntimeError:
+        return False
+    return True
 
 
 def _collective(op: Any, *args: Any, **kwargs: Any) -> Any:
