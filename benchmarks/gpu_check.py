@@ -1,7 +1,8 @@
 """A prepared check for a machine with a GPU: loaderplug to ``cuda`` against the others.
 
     pip install -e '.[bench]' safetensors fastsafetensors   # with the host's CUDA torch
-    python benchmarks/gpu_check.py [--size-mib 1024] [--dir /local/nvme/tmp]
+    python benchmarks/gpu_check.py [--size-mib 1024] [--dir /local/nvme/tmp] [--ranks]
+        [--page-cache-ranks]
 
 1. Equality: every tensor from ``loaderplug.iter_tensors(device="cuda")`` equals
    ``safetensors.torch.load_file(device="cuda")`` and fastsafetensors' (``nogds=True``).
@@ -15,6 +16,11 @@
    its tensors from its device copy. Every rank checks every tensor against
    safetensors' on its own GPU; the table gives each rank's GB/s (model bytes over the
    time until it held every tensor).
+5. Ranks sharing one host's page cache (``--page-cache-ranks``): two processes in a gloo
+   group, both on GPU 0 (so one GPU is enough), with ``LOADERPLUG_RANK_SHARING`` forced
+   to ``pagecache`` and then ``stream``: each rank reads half the files through pinned
+   staging and takes the other half from its mapping of the page cache, copied to its
+   GPU. Each rank checks every tensor against safetensors' and gives its GB/s.
 
 Prints markdown tables; exits 1 if any tensor differs, 2 if there is no GPU.
 """
@@ -34,7 +40,9 @@ from loaderplug.units import MiB
 
 
 def rank_main(rank: int, world: int, init: str, files: list[str]) -> int:
-    """One rank of ``--ranks``: load over the NCCL group, compare, print figures."""
+    """One rank of ``--ranks`` (an NCCL group, a GPU per rank) or of
+    ``--page-cache-ranks`` (``LOADERPLUG_RANK_SHARING`` set: a gloo group on GPU 0):
+    load over the group, compare, print figures."""
     import datetime
     import json
 
@@ -44,15 +52,17 @@ def rank_main(rank: int, world: int, init: str, files: list[str]) -> int:
 
     from loaderplug.tensors.reader import iter_tensors
 
-    torch.cuda.set_device(rank)
+    on_one_gpu = "LOADERPLUG_RANK_SHARING" in os.environ
+    gpu = 0 if on_one_gpu else rank
+    torch.cuda.set_device(gpu)
     dist.init_process_group(
-        "nccl",
+        "gloo" if on_one_gpu else "nccl",
         init_method=f"file://{init}",
         rank=rank,
         world_size=world,
         timeout=datetime.timedelta(seconds=300),
     )
-    device = f"cuda:{rank}"
+    device = f"cuda:{gpu}"
     dist.barrier()
     started = time.perf_counter()
     got = dict(iter_tensors(files, device=device, group=dist.group.WORLD, progress=False))
@@ -62,34 +72,45 @@ def rank_main(rank: int, world: int, init: str, files: list[str]) -> int:
     bad = [k for k, v in want.items() if k not in got or not torch.equal(got[k], v)]
     total = sum(os.path.getsize(f) for f in files)
     print(json.dumps({"rank": rank, "seconds": seconds, "gbps": total / seconds / 1e9,
-                      "bad": bad[:5], "tensors": len(got)}))  # fmt: skip
+                      "bad": bad[:5], "tensors": len(got),
+                      "devices": sorted({str(t.device) for t in got.values()})}))  # fmt: skip
     dist.destroy_process_group()
     return 1 if bad else 0
 
 
-def ranks_check(files: list[str], tmp: str) -> int:
-    """Start one process per GPU for :func:`rank_main`; print their table."""
+def ranks_check(files: list[str], tmp: str, sharing: str | None = None) -> int:
+    """Start one process per GPU for :func:`rank_main` (or, with ``sharing``, two on GPU
+    0 sharing the page cache that way); print their table."""
     import json
     import subprocess
 
     import torch
 
-    world = torch.cuda.device_count()
-    init = os.path.join(tmp, "nccl-init")
+    world = torch.cuda.device_count() if sharing is None else 2
+    init = os.path.join(tmp, f"init-{sharing or 'nccl'}")
+    env = {**os.environ, **({"LOADERPLUG_RANK_SHARING": sharing} if sharing else {})}
+    drop_cache(files)
     procs = [
         subprocess.Popen(
             [sys.executable, __file__, "--rank-child", str(r), str(world), init, *files],
             stdout=subprocess.PIPE,
             text=True,
+            env=env,
         )
         for r in range(world)
     ]
     rows = [json.loads(p.communicate()[0].strip().splitlines()[-1]) for p in procs]
-    mode = "staging, group of one" if world == 1 else f"NCCL broadcast, {world} ranks"
+    if sharing is not None:
+        mode = f"{sharing}, 2 ranks on GPU 0"
+    else:
+        mode = "staging, group of one" if world == 1 else f"NCCL broadcast, {world} ranks"
     print(f"\n| rank ({mode}) | s | GB/s | tensors | equal to safetensors |")
     print("|---|---|---|---|---|")
     for row in rows:
         same = "yes" if not row["bad"] else f"NO: {row['bad']}"
+        if any(not d.startswith("cuda") for d in row["devices"]):
+            same = f"NO: tensors on {row['devices']}"
+            row["bad"] = row["bad"] or row["devices"]
         figures = f"{row['seconds']:.2f} | {row['gbps']:.2f} | {row['tensors']}"
         print(f"| {row['rank']} | {figures} | {same} |")
     return 1 if any(row["bad"] for row in rows) else 0
@@ -103,6 +124,9 @@ def main() -> int:
     parser.add_argument("--size-mib", type=int, default=1024)
     parser.add_argument("--dir", default=tempfile.gettempdir())
     parser.add_argument("--ranks", action="store_true", help="also the ranks check (4.)")
+    parser.add_argument(
+        "--page-cache-ranks", action="store_true", help="also the page-cache ranks check (5.)"
+    )
     args = parser.parse_args()
 
     import torch
@@ -181,6 +205,11 @@ def main() -> int:
         with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
             files = [str(p) for p in write_model(Path(tmp), args.size_mib * MiB, shards=4)]
             status = max(status, ranks_check(files, tmp))
+    if args.page_cache_ranks:
+        with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
+            files = [str(p) for p in write_model(Path(tmp), args.size_mib * MiB, shards=4)]
+            for sharing in ("pagecache", "stream"):
+                status = max(status, ranks_check(files, tmp, sharing))
     return status
 
 

@@ -94,11 +94,13 @@ def mapped_files() -> dict[tuple[int, int], str]:
     return found
 
 
-def test_through_the_page_cache_a_file_read_in_place_is_handed_over_as_its_mapping(
-    model: list[Path],
+@pytest.mark.parametrize("one_pass", [False, True])
+def test_through_the_page_cache_each_tensor_is_a_mapping_of_the_file(
+    model: list[Path], tmp_path: Path, one_pass: bool
 ) -> None:
-    """What ranks sharing a host's page cache read in place: read (buffered, counted as
-    read), and each tensor a view of the file's own pages, not a copy of them; the
+    """What ranks sharing a host's page cache do: each file read (buffered, counted as
+    read), and each tensor a view of the file's own pages, not a copy of them (in a one
+    pass, of the copy being written, which is then published under its name); the
     tensors kept outside the memory budget, so a consumer holding all of them never
     waits for it."""
     from loaderplug.jobs.runner import Runner
@@ -111,16 +113,22 @@ def test_through_the_page_cache_a_file_read_in_place_is_handed_over_as_its_mappi
         os.fsync(fd)  # dirty pages cannot be dropped
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         os.close(fd)
+    local = tmp_path / "local" if one_pass else None
     settings = from_env(direct_io="off", bytes_in_flight="16M", progress=False)
-    runner = Runner(load_plan(model, "cpu", settings, through_page_cache=True), settings)
+    plan = load_plan(model, "cpu", settings, local, through_page_cache=True)
+    runner = Runner(plan, settings)
     held = dict(TensorsOf(runner.run()))  # the budget (16 MiB) is less than the model
     maps = mapped_files()
     assert len(held) == SHARDS * PER_SHARD
     for name, tensor in held.items():
-        shard = int(name[1:].split(".w")[0])
+        shard = model[int(name[1:].split(".w")[0])]
+        mapped = local / shard.name if local is not None else shard
         address = tensor.data_ptr()
         inside = [path for (start, end), path in maps.items() if start <= address < end]
-        assert inside == [str(model[shard])], f"{name} is not a view of its file's mapping"
-        assert torch.equal(tensor, safetensors_torch.load_file(str(model[shard]))[name])
+        assert inside == [str(mapped)], f"{name} is not a view of {mapped}: {inside}"
+        assert torch.equal(tensor, safetensors_torch.load_file(str(shard))[name])
     assert runner.report.bytes_copied == sum(p.stat().st_size for p in model)
-    assert {r.status for r in runner.report.results} == {"loaded"}
+    status = "restored" if one_pass else "loaded"
+    assert {r.status for r in runner.report.results} == {status}
+    if local is not None:
+        assert all((local / p.name).read_bytes() == p.read_bytes() for p in model)

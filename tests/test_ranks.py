@@ -191,6 +191,22 @@ def test_two_hosts_each_read_the_model_once_and_keep_their_own_copy(
             assert (tmp_path / host / f.name).read_bytes() == f.read_bytes()
 
 
+@pytest.mark.parametrize("sharing", ["pagecache", "stream"])
+def test_ranks_mapping_each_others_files_hand_over_tensors_on_the_loads_device(
+    tmp_path: Path, model8: list[Path], sharing: str
+) -> None:
+    """Forced to share through the page cache with a device other than the CPU (a GPU
+    in production, torch's ``meta`` device here), the tensors a rank maps from another
+    rank's file reach that device too, as its own do."""
+    outs, _ = run_ranks(
+        tmp_path, model8, 2, {"LOADERPLUG_RANK_SHARING": sharing, "RANK_DEVICE": "meta"}
+    )
+    want = {name: [dtype, shape, "meta"] for name, (dtype, shape, _crc) in expected(model8).items()}
+    for out in outs:
+        assert out.get("error") is None and out["tensors"] == want, out
+        assert out["sharing"] == sharing
+
+
 def test_a_stream_rank_that_cannot_map_a_file_fails_the_load_on_every_rank(
     tmp_path: Path, model8: list[Path]
 ) -> None:

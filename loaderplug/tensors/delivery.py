@@ -30,9 +30,10 @@ from loaderplug.engine.file_task import EngineStats
 from loaderplug.engine.retry import RetryPolicy, retrying
 from loaderplug.engine.sinks import Sink
 from loaderplug.errors import FileError, LoaderplugError
+from loaderplug.jobs.partial import partial_for
 from loaderplug.jobs.plan import FileEntry
 from loaderplug.settings import Settings
-from loaderplug.storage.mounts import MEMORY_TYPES, is_network_type
+from loaderplug.storage.mounts import MEMORY_TYPES, filesystem_type, is_network_type
 from loaderplug.storage.residency import WARM_FRACTION, cached_fraction
 from loaderplug.tensors.budget import MemoryBudget
 from loaderplug.tensors.header import Header
@@ -90,8 +91,9 @@ class TensorDelivery:
             pool_for(backend, settings.bytes_in_flight) if backend is not None else None
         )
         self.may_map = may_map and device == "cpu"
-        # Ranks sharing a host's page cache: files read in place are read into it and
-        # handed over as mappings of it (see PageCacheTensorSink), outside the budget.
+        # Ranks sharing a host's page cache: files are read into it (or, in a one pass,
+        # written to the copy through it) and handed over as mappings of it (see
+        # PageCacheTensorSink), outside the budget.
         self.through_page_cache = through_page_cache and self.may_map
         self._in_page_cache: set[str] = set()  # files handed over so, by name in the job
         self.mapped: list[tuple[str, Header]] = []
@@ -121,9 +123,16 @@ class TensorDelivery:
 
         if self.pool is not None:
             return DeviceTensorSink(header, self.pool, emit)
-        if entry.copy_to is None and self.through_page_cache and self._buffered(policy):
-            self._in_page_cache.add(rel)
-            return PageCacheTensorSink(header, emit)
+        if self.through_page_cache:
+            # The pages to share: the file read in place, or the copy a one pass writes.
+            if entry.copy_to is None and self._buffered(policy):
+                self._in_page_cache.add(rel)
+                return PageCacheTensorSink(header, emit)
+            if entry.copy_to is not None and not is_network_type(
+                filesystem_type(entry.copy_to.parent)
+            ):
+                self._in_page_cache.add(rel)
+                return PageCacheTensorSink(header, emit, str(partial_for(entry.copy_to)))
         return TensorSink(header, self.device, emit, self.budget)
 
     def _maps(self, policy: IOPolicy, path: Path) -> bool:

@@ -11,7 +11,10 @@ and the tensors reach the other ranks one of two ways:
 * **pagecache** (CPU tensors from files on a local filesystem): the owner reads buffered,
   so once it is done with a file the file sits in the page cache; it says so, and the
   others map it from there, as safetensors does, without reading the disk again. A
-  one pass publishes each rank's files into the local copy, and the others map that.
+  file read in place is the owner's mapping too (its engine reads into reused buffers
+  and each tensor is handed over as a view of the page cache once landed): the host
+  holds the model once, in the page cache. A one pass publishes each rank's files into
+  the local copy, and the others map that; the owner maps the copy it is writing.
 * **broadcast** (CUDA tensors over NCCL, or files on a network filesystem, whose pages
   no other process can share): the owner broadcasts each tensor over the group as it
   completes.
@@ -192,8 +195,8 @@ def shared_tensors(
         in_page_cache = mode in ("pagecache", "stream")
         if in_page_cache:
             # Buffered, so what this rank reads (and writes) stays in the page cache for
-            # the others to map; a file read in place is mapped by this rank too, so the
-            # host holds it once (a one pass keeps its own tensors: it writes them).
+            # the others to map; this rank maps it too (the file read in place, or the
+            # copy a one pass writes), so the host holds it once.
             settings = settings.replace(direct_io="off")
         plan = load_plan(
             mine,
@@ -201,7 +204,7 @@ def shared_tensors(
             settings,
             local,
             lock_each_file=True,
-            through_page_cache=in_page_cache and local is None,
+            through_page_cache=in_page_cache,
         )
         runner = Runner(plan, settings)
         delivery = plan.delivery
@@ -210,9 +213,9 @@ def shared_tensors(
         steps.watch.on_death(lambda peer: delivery.interrupt(steps.watch.error(peer)))
         if mode == "pagecache":
             final = [local / f.name if local is not None else f for f in files]
-            yield from _by_page_cache(runner, steps, files, final)
+            yield from _by_page_cache(runner, steps, files, final, device)
         elif mode == "stream":
-            yield from _by_stream(runner, steps, files, local, delivery)
+            yield from _by_stream(runner, steps, files, local, delivery, device)
         else:
             groups.append(_data_group(share, device))
             yield from _by_broadcast(runner, steps, device, groups[-1])
@@ -257,20 +260,20 @@ def _size(path: Path) -> int:
 
 
 def _by_page_cache(
-    runner: Runner, steps: _Steps, files: list[Path], final: list[Path]
+    runner: Runner, steps: _Steps, files: list[Path], final: list[Path], device: str
 ) -> Iterator[tuple[str, Any]]:
     """Own tensors as they complete; at each own file done, a step: the files the other
     ranks finished meanwhile are mapped from the page cache and yielded."""
     index = {f.name: i for i, f in enumerate(files)}
     events = runner.run()
     try:
-        yield from _page_cache_steps(events, steps, index, final)
+        yield from _page_cache_steps(events, steps, index, final, device)
     finally:
         events.close()  # stopped early, or another rank failed: stop reading
 
 
 def _page_cache_steps(
-    events: Iterator[Any], steps: _Steps, index: dict[str, int], final: list[Path]
+    events: Iterator[Any], steps: _Steps, index: dict[str, int], final: list[Path], device: str
 ) -> Iterator[tuple[str, Any]]:
     own = TensorsOf(events, pause_at_files=True)
     while True:
@@ -289,9 +292,27 @@ def _page_cache_steps(
         said = steps.exchange(news)
         for rank, step in enumerate(said):
             if rank != steps.share.rank and step is not None and step[0] == "file":
-                yield from MappedTensors(read_header_of(final[step[1]]))
+                yield from _OnDevice(MappedTensors(read_header_of(final[step[1]])), device)
         if all(step is None for step in said):
             return
+
+
+class _OnDevice(Iterator[tuple[str, Any]]):
+    """``pairs`` (mapped CPU tensors) on ``device``. An iterator object: it keeps no
+    reference to a tensor it handed over."""
+
+    def __init__(self, pairs: Iterator[tuple[str, Any]], device: str) -> None:
+        self._pairs, self._device = pairs, device
+
+    def __next__(self) -> tuple[str, Any]:
+        name, tensor = next(self._pairs)
+        return name, _to(tensor, self._device)
+
+
+def _to(tensor: Any, device: str) -> Any:
+    """A mapped tensor on ``device``: itself on the CPU, else a copy there (each rank
+    copies from the one page cache to its own device)."""
+    return tensor if device == "cpu" else tensor.to(device)
 
 
 # -- broadcast -------------------------------------------------------------------------
@@ -409,14 +430,19 @@ def _receive_buffer(dtype: Any, shape: list[int], device: str) -> Any:
 
 
 def _by_stream(
-    runner: Runner, steps: _Steps, files: list[Path], local: Path | None, delivery: TensorDelivery
+    runner: Runner,
+    steps: _Steps,
+    files: list[Path],
+    local: Path | None,
+    delivery: TensorDelivery,
+    device: str,
 ) -> Iterator[tuple[str, Any]]:
     """A step per tensor, as a broadcast, but no byte moves between ranks: the owner says
     which tensor landed (and, with a file's first, the file's header); the others map
     the file it is reading (or, in a one pass, the copy it is writing) and take the
     tensor from their mapping, touching only the pages they use."""
     events = runner.run()
-    files_mapped = _MappedFiles(files, local)
+    files_mapped = _MappedFiles(files, local, device)
     index = {f.name: i for i, f in enumerate(files)}
     told: set[int] = set()  # the files whose header this rank has sent
 
@@ -433,15 +459,15 @@ def _by_stream(
 class _MappedFiles:
     """The other ranks' files as this rank maps them, each on its first tensor."""
 
-    def __init__(self, files: list[Path], local: Path | None) -> None:
-        self.files, self.local = files, local
+    def __init__(self, files: list[Path], local: Path | None, device: str) -> None:
+        self.files, self.local, self.device = files, local, device
         self.headers: dict[int, Header] = {}
         self._open: dict[int, MappedFile] = {}
 
     def tensor(self, index: int, name: str) -> Any:
         if index not in self._open:
             self._open[index] = self._map(index)
-        return self._open[index].tensor(name)
+        return _to(self._open[index].tensor(name), self.device)
 
     def _map(self, index: int) -> MappedFile:
         """Map where the file's bytes are: in a one pass the copy being written or, once

@@ -248,18 +248,22 @@ class PageCacheTensorSink:
     buffered into its own reused buffers, which leaves the bytes in the page cache, and
     this sink only counts what landed. The tensor then shares the page cache's pages
     with every other rank's mapping of the same file: the host holds the model once, and
-    the reading rank neither zeroes fresh memory for it nor keeps it in its budget.
+    the reading rank neither zeroes fresh memory for it nor keeps it in its budget. In a
+    one pass ``path`` is the partial copy, which the copy's sink (before this one) has
+    created at its full size and writes each span to before this sink hears of it; its
+    pages are the tensors', and stay theirs once the copy is renamed into place.
     """
 
-    def __init__(self, header: Header, emit: Emit) -> None:
+    def __init__(self, header: Header, emit: Emit, path: str | None = None) -> None:
         self.header = header
         self.emit = emit
+        self.path = path  # the file to map: by default the one read
         self._coverage = _Coverage(header)
         self._file: MappedFile | None = None
         self._lock = threading.Lock()
 
     def prepare(self) -> None:
-        self._file = MappedFile(self.header)
+        self._file = MappedFile(self.header, self.path)
         for t in self.header.tensors:
             if not t.nbytes:
                 self.emit(t.name, self._file.tensor(t.name))

@@ -8,7 +8,9 @@ tensors), RANK_DIE_AT_S (this rank kills itself with SIGKILL that many seconds i
 load, whatever it is doing, saying "dying at <unix time>" on stderr first),
 RANK_CONSUMER_SLEEP_S (the consumer sleeps that long over the first tensor),
 RANK_TENSOR_SLEEP_S (and that long over every tensor), RANK_MAP_FAIL (this rank cannot
-map the other ranks' files: ENOMEM, as when the address space runs out), RANK_GROUP=none (no group
+map the other ranks' files: ENOMEM, as when the address space runs out), RANK_DEVICE
+(load to that device: a tensor off the CPU is recorded by its device, not its bytes),
+RANK_GROUP=none (no group
 passed: the default group is found), and every LOADERPLUG_* setting. Prints {"tensors":
 {name: [dtype, shape, crc32]}, "reads": {file: bytes read through the source hook},
 "read_paths": the same by path, "error": message or null, "seconds": s, "failed_at":
@@ -95,12 +97,17 @@ def main() -> int:
     out: dict[str, object] = {"tensors": {}, "error": None}
     base_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # torch, the group
     started = time.monotonic()
-    load = iter_tensors(files, local_dir=os.environ.get("RANK_LOCAL_DIR") or None, group=group)
+    device = os.environ.get("RANK_DEVICE", "cpu")
+    local_dir = os.environ.get("RANK_LOCAL_DIR") or None
+    load = iter_tensors(files, device, local_dir=local_dir, group=group)
     try:
         for n, (name, tensor) in enumerate(load, start=1):
-            raw = tensor.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
             dtype = str(tensor.dtype).removeprefix("torch.")
-            out["tensors"][name] = [dtype, list(tensor.shape), zlib.crc32(raw)]  # type: ignore[index]
+            if tensor.device.type == "cpu":
+                raw = tensor.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+                out["tensors"][name] = [dtype, list(tensor.shape), zlib.crc32(raw)]  # type: ignore[index]
+            else:
+                out["tensors"][name] = [dtype, list(tensor.shape), tensor.device.type]  # type: ignore[index]
             if die_after and n >= die_after:
                 os._exit(9)
             if consumer_sleep and n == 1:
