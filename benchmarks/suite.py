@@ -93,6 +93,13 @@ BENCHES = (
         ("--rounds", "2"),
     ),
     Bench(
+        "iopolicy",
+        "iopolicy_bench.py",
+        "measured x faster forced",
+        "The IO policy measured per mount against the faster of both forced modes",
+        "ratio (1.0: as fast as the faster forced mode)",
+    ),
+    Bench(
         "scale",
         "scale_bench.py",
         "peak RSS",

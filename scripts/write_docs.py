@@ -18,7 +18,19 @@ from loaderplug.settings import settings_table
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
 RESULTS = ROOT / "benchmarks" / "results"
-BENCHMARKS = ("hydrate", "auto", "load", "onepass", "hub", "vllm", "fst", "scale", "crash")
+BENCHMARKS = (
+    "hydrate",
+    "auto",
+    "load",
+    "onepass",
+    "hub",
+    "vllm",
+    "vllm_tp",
+    "fst",
+    "iopolicy",
+    "scale",
+    "crash",
+)
 
 
 def glossary_table() -> str:

@@ -149,11 +149,14 @@ def sharing_mode(
     paths: Sequence[Path], device: str, local_dir: Path | None, settings: Settings
 ) -> Literal["pagecache", "broadcast", "stream"]:
     """How tensors reach the other ranks: as the setting says, or (auto) as measured
-    best (benchmarks/scale_bench.py, 3.8 GiB, 2026-12-04): the page cache for CPU
-    tensors whose bytes end on a local filesystem: read in place (0.95x safe_open's
-    time at 2 ranks; device bytes 1x), or in a one pass into a local copy (from the
-    FUSE volume 0.96x a plain hydrate's time at 2 ranks, 0.83x at 4; the broadcast 1.26x
-    and 1.60x, the stream 0.95x and 0.93x with more memory); a broadcast otherwise: for
+    best (benchmarks/scale_bench.py, 3.8 GiB, two runs of 2026-12-04): the page cache for
+    CPU tensors whose bytes end on a local filesystem. Read in place: 0.37-0.49x
+    safe_open's time per rank at 2 ranks, 0.57-0.70x at 4 (the broadcast 1.03-1.04x and
+    2.6-2.9x), each rank within its memory bound. A one pass into a local copy: 1.32-1.46x
+    a plain hydrate at 2 ranks and 1.22-1.31x at 4, in its memory bound; the broadcast
+    is faster at 2 ranks (1.09-1.15x) but slower at 4 (1.68-1.81x) and over its bound in
+    both, and its cost grows with the ranks (each receives (N-1)/N of the model); the
+    stream measures within a few percent of the page cache. A broadcast otherwise: for
     CUDA tensors, and for network files read in place, whose pages another process's
     mapping would read again from the network."""
     if settings.rank_sharing != "auto":
