@@ -130,9 +130,12 @@ def test_a_file_replaced_on_a_fuse_mirror_mid_copy_is_never_published(
             def replace_then_read(buf: memoryview, offset: int) -> int:
                 if not replaced.is_set():
                     replaced.set()
-                    data = victim.read_bytes()
-                    victim.write_bytes(bytes(len(data)))  # new content, new mtime
-                    os.utime(victim, ns=(1, 1))
+                    # New content, new mtime, put in place at once, as a sync does (a
+                    # rewrite in place could be seen half-done: "shorter than expected").
+                    fresh = victim.with_name(f".{victim.name}.new")
+                    fresh.write_bytes(bytes(victim.stat().st_size))
+                    os.utime(fresh, ns=(1, 1))
+                    os.replace(fresh, victim)
                 return read(buf, offset)
 
             source.pread_into = replace_then_read  # type: ignore[method-assign]
