@@ -135,7 +135,8 @@ def _descendants(pid: int) -> list[int]:
         below = [p for p, parent in parents.items() if parent in frontier]
         found += below
         frontier = below
-    return [p for p in found if _peak_rss_of([p]) and _peak_rss_of([p])[0] > 100 * MiB]
+    # Python processes, not the helpers vLLM starts (a resource tracker is a few MiB).
+    return [p for p in found if any(peak > 100 * MiB for peak in _peak_rss_of([p]))]
 
 
 def _peak_rss_of(pids: list[int]) -> list[int]:

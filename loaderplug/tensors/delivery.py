@@ -33,7 +33,7 @@ from loaderplug.errors import FileError, LoaderplugError
 from loaderplug.jobs.partial import partial_for
 from loaderplug.jobs.plan import FileEntry
 from loaderplug.settings import Settings
-from loaderplug.storage.mounts import MEMORY_TYPES, filesystem_type, is_network_type
+from loaderplug.storage.mounts import MEMORY_TYPES, is_network_type
 from loaderplug.storage.residency import WARM_FRACTION, cached_fraction
 from loaderplug.tensors.budget import MemoryBudget
 from loaderplug.tensors.header import Header
@@ -123,17 +123,22 @@ class TensorDelivery:
 
         if self.pool is not None:
             return DeviceTensorSink(header, self.pool, emit)
-        if self.through_page_cache:
-            # The pages to share: the file read in place, or the copy a one pass writes.
-            if entry.copy_to is None and self._buffered(policy):
-                self._in_page_cache.add(rel)
-                return PageCacheTensorSink(header, emit)
-            if entry.copy_to is not None and not is_network_type(
-                filesystem_type(entry.copy_to.parent)
-            ):
-                self._in_page_cache.add(rel)
-                return PageCacheTensorSink(header, emit, str(partial_for(entry.copy_to)))
+        pages = self._shared_pages(entry, policy)
+        if pages is not None:
+            self._in_page_cache.add(rel)
+            return PageCacheTensorSink(header, emit, pages)
         return TensorSink(header, self.device, emit, self.budget)
+
+    def _shared_pages(self, entry: FileEntry, policy: IOPolicy) -> str | None:
+        """With :attr:`through_page_cache`, the file whose page cache the tensors are to
+        be views of: the copy a one pass writes (its folder is on a local filesystem:
+        the load's planner checked), or the file read in place if it is read buffered
+        from a local filesystem; else None."""
+        if not self.through_page_cache:
+            return None
+        if entry.copy_to is not None:
+            return str(partial_for(entry.copy_to))
+        return str(entry.source) if self._buffered(policy) else None
 
     def _maps(self, policy: IOPolicy, path: Path) -> bool:
         """Whether the file's bytes are in memory already (tmpfs, or a local file mostly

@@ -18,6 +18,7 @@ from loaderplug.jobs.file_sink import temps_of
 from loaderplug.jobs.locks import file_lock, folder_lock
 from loaderplug.jobs.plan import FileEntry, Listing, Plan
 from loaderplug.settings import Settings
+from loaderplug.storage.mounts import filesystem_type, is_network_type
 from loaderplug.tensors.delivery import TensorDelivery
 
 
@@ -32,11 +33,14 @@ def load_plan(
 ) -> Plan:
     """The plan of a load: each file read in place, or with ``local_dir`` hydrated there
     (same name) in the same pass, under that folder's lock (with ``lock_each_file``,
-    under a lock per file instead). With ``through_page_cache`` a file read in place is
-    read into the page cache and its tensors are mappings of it (ranks of a host that
-    share it)."""
+    under a lock per file instead). With ``through_page_cache`` (ranks of a host that
+    share its page cache) each file is read, or in a one pass written to its copy,
+    through the page cache, and its tensors are views of it; not where the copies go to
+    a network filesystem, whose pages other processes cannot share."""
     files = [Path(p) for p in paths]
     local = Path(local_dir) if local_dir is not None else None
+    if local is not None and is_network_type(filesystem_type(local)):
+        through_page_cache = False
 
     def list_files() -> Listing:
         listing = Listing()

@@ -122,7 +122,26 @@ class _Coverage:
             self.aborted = True
 
 
-class TensorSink:
+class _CoveredSink:
+    """What the tensor sinks that count landed bytes with a :class:`_Coverage` share: a
+    commit checks every tensor completed, and either end closes the sink once."""
+
+    header: Header
+    _coverage: _Coverage
+
+    def commit(self) -> None:
+        self._coverage.check_complete(self.header.path)
+        self._close()
+
+    def abort(self) -> None:
+        self._coverage.abort()
+        self._close()
+
+    def _close(self) -> None:
+        raise NotImplementedError
+
+
+class TensorSink(_CoveredSink):
     """Assembles a file's tensors in host memory; emits each once complete, and gives its
     memory back when its consumer drops it.
 
@@ -218,14 +237,6 @@ class TensorSink:
             tensor = tensor.to(self.device)
         self.emit(t.name, tensor)
 
-    def commit(self) -> None:
-        self._coverage.check_complete(self.header.path)
-        self._close()
-
-    def abort(self) -> None:
-        self._coverage.abort()
-        self._close()
-
     def _close(self) -> None:
         """The file is done: what it held for its own bytes (header, gaps) and for
         tensors it will never emit goes back; emitted ones go when handed over."""
@@ -240,7 +251,7 @@ class TensorSink:
             self._pages.release_rest()
 
 
-class PageCacheTensorSink:
+class PageCacheTensorSink(_CoveredSink):
     """Hands over each tensor of a local file, once its bytes landed, as a mapping of the
     file (see :class:`MappedFile`), never a copy of its own.
 
@@ -254,10 +265,10 @@ class PageCacheTensorSink:
     pages are the tensors', and stay theirs once the copy is renamed into place.
     """
 
-    def __init__(self, header: Header, emit: Emit, path: str | None = None) -> None:
+    def __init__(self, header: Header, emit: Emit, path: str) -> None:
         self.header = header
         self.emit = emit
-        self.path = path  # the file to map: by default the one read
+        self.path = path  # the file to map: the one read, or the copy being written
         self._coverage = _Coverage(header)
         self._file: MappedFile | None = None
         self._lock = threading.Lock()
@@ -278,14 +289,6 @@ class PageCacheTensorSink:
         if file is not None:
             for t in done:
                 self.emit(t.name, file.tensor(t.name))
-
-    def commit(self) -> None:
-        self._coverage.check_complete(self.header.path)
-        self._close()
-
-    def abort(self) -> None:
-        self._coverage.abort()
-        self._close()
 
     def _close(self) -> None:
         with self._lock:
