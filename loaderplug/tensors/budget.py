@@ -1,21 +1,24 @@
 """Host memory for tensors, bounded by a budget rather than by the model.
 
 A load reads ranges straight into the memory its tensors will live in (see
-:mod:`loaderplug.tensors.sinks`). :class:`MemoryBudget` counts those bytes from the moment
-a reader is admitted to read them until the tensor they belong to is dropped by its
-consumer (a file's other bytes, its header, until the file is done), and admits a new
-span only while the count stays within the budget. Spans are handed out in file order,
-so what is held is a window of the model: the spans in flight, the tensors they are
-completing and the tensors the consumer has not taken or dropped yet.
+:mod:`loaderplug.tensors.sinks`). :class:`MemoryBudget` counts each tensor's bytes, whole,
+from the moment its first span is admitted to be read until the tensor is dropped by its
+consumer, and admits a span that begins tensors only while they fit. Spans are handed
+out in file order, so what is held is a window of the model: the tensors being read and
+those the consumer has not taken or dropped yet. The spans that continue a tensor need
+no more room; most spans do, and also begin the next tensor: letting them in because
+they continue one (as counting the spans read would have to) let a slow consumer's load
+run past the budget by tensor after tensor.
 
 What the budget does not hold: the tensor the consumer is using (it owns it once handed
 over) and the one just handed over, until the consumer asks for the next; hence "bytes
 in flight + 2 x the largest tensor" for a consumer that drops each tensor.
 
-Two exceptions keep a load from waiting on itself. A span that continues a tensor begun
-in an earlier span is always admitted: that tensor can only complete, and be freed,
-once this span lands. A span is also admitted when nothing is held, so a tensor larger
-than the budget still loads (the budget stretches to it).
+Two exceptions keep a load from waiting on itself. A span is admitted when nothing is
+held, so a tensor larger than the budget still loads (the budget stretches to it). A
+span that finishes a tensor is admitted when that tensor is all that is held: it can
+only be freed once this span lands, whatever else the span begins (the budget stretches
+to those two tensors).
 """
 
 from __future__ import annotations
@@ -36,10 +39,11 @@ class MemoryBudget:
         self.peak = 0
         self._cond = threading.Condition()
 
-    def admit(self, nbytes: int, *, continuation: bool, cancel: threading.Event) -> None:
-        """Wait until ``nbytes`` more fit (or the span must go ahead), then hold them."""
+    def admit(self, nbytes: int, *, finishing: int, cancel: threading.Event) -> None:
+        """Wait until ``nbytes`` more fit, then hold them. ``finishing``: the bytes of
+        the tensor (held already) whose last bytes the span reads, if any."""
         with self._cond:
-            while not continuation and self.held and self.held + nbytes > self.limit:
+            while nbytes and self.held > finishing and self.held + nbytes > self.limit:
                 if cancel.is_set():
                     raise Cancelled
                 self._cond.wait(WAIT_S)

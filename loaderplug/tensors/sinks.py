@@ -11,6 +11,7 @@ does.
 from __future__ import annotations
 
 import bisect
+import itertools
 import mmap
 import os
 import threading
@@ -151,9 +152,9 @@ class TensorSink(_CoveredSink):
     mapping, which is never reused; its pages are returned to the kernel once the
     tensor's storage dies (see :mod:`loaderplug.tensors.page_release`), so a consumer
     that drops each tensor holds a window of the file, never all of it. With a
-    ``budget`` the sink holds each span there from its admission (:meth:`admit`) until
-    the runner hands the tensor over (see :mod:`loaderplug.tensors.budget`); the file's
-    other bytes until it is done.
+    ``budget`` the sink holds each tensor there from its first span's admission
+    (:meth:`admit`) until the runner hands the tensor over (see
+    :mod:`loaderplug.tensors.budget`).
     """
 
     def __init__(
@@ -166,6 +167,8 @@ class TensorSink(_CoveredSink):
         self._dtypes = torch_dtypes(header)
         self._coverage = _Coverage(header)
         self._begins = [t.begin for t in self._coverage.tensors]
+        # The bytes of the tensors before each one (and of all, last): what spans hold.
+        self._bytes_before = [0, *itertools.accumulate(t.nbytes for t in self._coverage.tensors)]
         self._mapping: mmap.mmap | None = None
         self._pages: PageReleaser | None = None
         self._view = memoryview(b"")
@@ -187,24 +190,26 @@ class TensorSink(_CoveredSink):
 
     # -- the memory budget ---------------------------------------------------------
 
-    def continues_a_tensor(self, offset: int) -> bool:
-        """Whether a tensor begun before ``offset`` runs on past it."""
-        i = bisect.bisect_right(self._begins, offset) - 1
-        return i >= 0 and self._coverage.tensors[i].begin < offset < self._coverage.tensors[i].end
-
     def admit(self, offset: int, length: int, cancel: threading.Event) -> None:
-        """Hold ``length`` bytes at ``offset`` in the budget before they are read."""
+        """Hold in the budget, before ``[offset, offset+length)`` is read, every tensor
+        it begins, whole (so the spans continuing them need no room)."""
         if self.budget is None:
             return
         with self._lock:
             if self._closed:
                 raise Cancelled
-        self.budget.admit(length, continuation=self.continues_a_tensor(offset), cancel=cancel)
+        first = bisect.bisect_left(self._begins, offset)
+        begun = self._bytes_before[bisect.bisect_left(self._begins, offset + length)]
+        nbytes = begun - self._bytes_before[first]
+        # The tensor this span continues (begun before it) is held whole already.
+        before = self._coverage.tensors[first - 1] if first else None
+        finishing = before.nbytes if before is not None and before.end > offset else 0
+        self.budget.admit(nbytes, finishing=finishing, cancel=cancel)
         with self._lock:
-            self._held += length
+            self._held += nbytes
             closed = self._closed
         if closed:  # aborted meanwhile: what it would have held is not coming
-            self._release(length)
+            self._release(nbytes)
 
     def _release(self, nbytes: int) -> None:
         if self.budget is not None:
