@@ -176,7 +176,7 @@ def test_a_consumer_that_drops_each_tensor_holds_a_window_not_the_model(
     )
     figures = json.loads(done.stdout)
     # Within bytes in flight + 2 x the largest tensor (the consumer's, and the one just
-    # handed over) + 64 MiB (the interpreter's own, a span past the budget to finish a
-    # tensor); holding the model would take 256 MiB.
+    # handed over) + 64 MiB (the interpreter's own); holding the model would take
+    # 256 MiB.
     bound = 32 * MiB + 2 * figures["largest"] + 64 * MiB
     assert figures["growth"] <= bound, figures
