@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from loaderplug.tensors.header_reads import read_header_of
-from loaderplug.tensors.ranks import owners
+from loaderplug.tensors.ranks import owners, sharing_mode
 from loaderplug.testing.model import write_model
 from loaderplug.testing.volume import VolumeProfile, mounted
 from loaderplug.units import MiB
@@ -39,6 +39,28 @@ def test_files_are_split_by_bytes_the_same_way_everywhere() -> None:
         sum(s for s, r in zip([5, 9, 3, 7, 7, 1], split, strict=True) if r == k) for k in range(3)
     ]
     assert max(loads) - min(loads) <= 2
+
+
+def test_auto_shares_through_the_page_cache_but_where_a_broadcast_measured_faster(
+    tmp_path: Path,
+) -> None:
+    from loaderplug.settings import from_env
+
+    backing = tmp_path / "backing"
+    write_model(backing, 1 * MiB, shards=1)
+    (on_disk,) = sorted(backing.glob("*.safetensors"))
+    local = tmp_path / "local"
+    auto, streamed = from_env(progress=False), from_env(rank_sharing="stream", progress=False)
+    with mounted(backing, tmp_path / "mnt", VolumeProfile.unthrottled()) as vol:
+        on_mirror = vol.mountpoint / on_disk.name
+        # A one pass from the mirror: two ranks broadcast, more share the page cache.
+        assert sharing_mode([on_mirror], "cpu", local, auto, 2) == "broadcast"
+        assert sharing_mode([on_mirror], "cpu", local, auto, 4) == "pagecache"
+        # Network files read in place: mapped, their pages would be read again.
+        assert sharing_mode([on_mirror], "cpu", None, auto, 4) == "broadcast"
+        assert sharing_mode([on_mirror], "cpu", local, streamed, 2) == "stream"
+    assert sharing_mode([on_disk], "cpu", None, auto, 2) == "pagecache"
+    assert sharing_mode([on_disk], "cuda", None, auto, 2) == "broadcast"
 
 
 @pytest.mark.parametrize("sharing", ["pagecache", "broadcast", "stream"])

@@ -146,26 +146,34 @@ def rank_part(host_bytes_in_flight: int, ranks: int) -> int:
 
 
 def sharing_mode(
-    paths: Sequence[Path], device: str, local_dir: Path | None, settings: Settings
+    paths: Sequence[Path],
+    device: str,
+    local_dir: Path | None,
+    settings: Settings,
+    ranks: int,
 ) -> Literal["pagecache", "broadcast", "stream"]:
     """How tensors reach the other ranks: as the setting says, or (auto) as measured
-    best (benchmarks/scale_bench.py, 3.8 GiB, two runs of 2026-12-04): the page cache for
-    CPU tensors whose bytes end on a local filesystem. Read in place: 0.37-0.49x
-    safe_open's time per rank at 2 ranks, 0.57-0.70x at 4 (the broadcast 1.03-1.04x and
-    2.6-2.9x), each rank within its memory bound. A one pass into a local copy: 1.32-1.46x
-    a plain hydrate at 2 ranks and 1.22-1.31x at 4, in its memory bound; the broadcast
-    is faster at 2 ranks (1.09-1.15x) but slower at 4 (1.68-1.81x) and over its bound in
-    both, and its cost grows with the ranks (each receives (N-1)/N of the model); the
-    stream measures within a few percent of the page cache. A broadcast otherwise: for
-    CUDA tensors, and for network files read in place, whose pages another process's
-    mapping would read again from the network."""
+    best (benchmarks/scale_bench.py, 3.8 GiB, runs of 2026-12-04, every mode within its
+    memory bound): the page cache for CPU tensors whose bytes end on a local filesystem,
+    but for two ranks in a one pass from a network mirror. Read in place: 0.37-0.74x
+    safe_open's time per rank at 2 ranks, 0.57-0.94x at 4 (the broadcast 1.03-1.30x and
+    2.45-2.91x). A one pass from the mirror at 2 ranks: the broadcast 1.09-1.15x a plain
+    hydrate (the first tensor at 9-11% of the load), the page cache 1.25-1.46x (it waits
+    for whole files); at 4 ranks the page cache 1.21-1.31x and the broadcast 1.68-1.81x:
+    each rank receives (N-1)/N of the model through a socket, a cost that grows with the
+    ranks. A broadcast otherwise: for CUDA tensors, and for network files read in place,
+    whose pages another process's mapping would read again from the network."""
     if settings.rank_sharing != "auto":
         return settings.rank_sharing
     if device != "cpu":
         return "broadcast"
     folders = {local_dir} if local_dir is not None else {p.parent for p in paths}
-    local = all(not is_network_type(filesystem_type(folder)) for folder in folders)
-    return "pagecache" if local else "broadcast"
+    if any(is_network_type(filesystem_type(folder)) for folder in folders):
+        return "broadcast"
+    from_mirror = local_dir is not None and any(
+        is_network_type(filesystem_type(folder)) for folder in {p.parent for p in paths}
+    )
+    return "broadcast" if from_mirror and ranks == 2 else "pagecache"
 
 
 def shared_tensors(
@@ -194,7 +202,7 @@ def shared_tensors(
             raise AssertionError("unreachable: the step raised") from exc
         owner = owners(sizes, share.size)
         mine = [f for f, r in zip(files, owner, strict=True) if r == share.rank]
-        mode = sharing_mode(files, device, local, settings)
+        mode = sharing_mode(files, device, local, settings, share.size)
         in_page_cache = mode in ("pagecache", "stream")
         if in_page_cache:
             # Buffered, so what this rank reads (and writes) stays in the page cache for
