@@ -116,18 +116,22 @@ BENCHES = (
 )
 
 
-def parse_table(markdown: str) -> tuple[list[str], list[list[str]]]:
-    """The first markdown table: its header cells and its rows."""
-    lines: list[str] = []
+def parse_table(markdown: str, having: str | None = None) -> tuple[list[str], list[list[str]]]:
+    """The first markdown table (with ``having``, the first with that column): its header
+    cells and its rows."""
+    tables: list[list[str]] = [[]]
     for line in markdown.splitlines():
         if line.startswith("|"):
-            lines.append(line)
-        elif lines:  # the first table ended
-            break
-    if len(lines) < 3:
-        raise ValueError("no table")
-    cells = [[c.strip() for c in line.strip("|").split("|")] for line in lines]
-    return cells[0], cells[2:]
+            tables[-1].append(line)
+        elif tables[-1]:  # a table ended
+            tables.append([])
+    for lines in tables:
+        if len(lines) < 3:
+            continue
+        cells = [[c.strip() for c in line.strip("|").split("|")] for line in lines]
+        if having is None or having in cells[0]:
+            return cells[0], cells[2:]
+    raise ValueError(f"no table with {having!r}" if having else "no table")
 
 
 def number(cell: str) -> float:
@@ -145,7 +149,7 @@ def plot(bench: Bench, results: Path) -> Path | None:
     table = results / f"{bench.name}.md"
     if not table.exists():
         return None
-    header, rows = parse_table(table.read_text())
+    header, rows = parse_table(table.read_text(), having=bench.figure)
     column = header.index(bench.figure)
     # Contenders are labelled by every text column before the figures (model, cache...).
     label_columns = [i for i in range(column) if not _is_figure(rows[0][i])]

@@ -43,6 +43,25 @@ def test_the_first_table_gives_labels_figures_and_whiskers() -> None:
     assert suite._whiskers(header, rows, 2, values) == [[3, 1, 2], [3, 1, 1]]
 
 
+def test_the_table_drawn_is_the_first_with_the_figure() -> None:
+    suite = _suite()
+    tables = TABLE + "| x |\n\n| case | x faster |\n|---|---|\n| load | 0.98 |\n"
+    header, rows = suite.parse_table(tables, having="x faster")
+    assert header == ["case", "x faster"] and rows == [["load", "0.98"]]
+    with pytest.raises(ValueError, match="no table with 'speed'"):
+        suite.parse_table(tables, having="speed")
+
+
+def test_every_result_of_the_suite_has_the_column_it_draws() -> None:
+    suite = _suite()
+    results = SUITE.parent / "results"
+    for bench in suite.BENCHES:
+        table = results / f"{bench.name}.md"
+        if table.exists():
+            _, rows = suite.parse_table(table.read_text(), having=bench.figure)
+            assert rows, bench.name
+
+
 def test_a_spread_inside_the_cell_is_read_too() -> None:
     suite = _suite()
     header = ["reader", "total s (min-max)"]

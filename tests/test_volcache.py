@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import subprocess
 import sys
 import warnings
@@ -59,14 +60,18 @@ def test_a_folder_without_weights_is_a_clear_error(tmp_path: Path) -> None:
         volcache.locate_weights(str(tmp_path), None, from_env())
 
 
-def test_a_local_folder_is_read_in_place(tmp_path: Path) -> None:
+def test_a_local_folder_is_read_in_place(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     shards = write_shards(tmp_path)
     weights = volcache.locate_weights(
         str(tmp_path), None, from_env(local_copies=str(tmp_path / "copies"))
     )
     assert weights.local_copy is None and weights.files == shards
-    got = dict(volcache.stream(weights, from_env(**QUIET)))
+    with caplog.at_level(logging.INFO, logger=volcache.__name__):
+        got = dict(volcache.stream(weights, from_env(**QUIET)))
     assert all(same(got[k], v) for k, v in reference(shards).items())
+    # Once done, the load says what it did: vLLM's log shows it after its own line.
+    (said,) = [r.getMessage() for r in caplog.records if "first tensor at" in r.getMessage()]
+    assert said.startswith("loaderplug: 3 file(s); ") and "MiB mapped from memory" in said
 
 
 def test_a_folder_under_the_volume_is_hydrated_once_then_read_locally(tmp_path: Path) -> None:

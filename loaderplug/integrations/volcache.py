@@ -41,12 +41,14 @@ from loaderplug.plugins.manager import Plugins
 from loaderplug.settings import Settings
 from loaderplug.tensors.reader import iter_tensors
 from loaderplug.types import MirrorRequest
-from loaderplug.units import MiB
+from loaderplug.units import MiB, format_size
 
 from .upstream import UpstreamChanged
 
 if TYPE_CHECKING:
     import torch
+
+    from loaderplug.tensors.load import Load
 
 INDEX_NAME = "model.safetensors.index.json"
 # What a download of the weights fetches, as vLLM's default loader fetches safetensors.
@@ -146,9 +148,33 @@ def stream(
     if settings.weights_reader == "fastsafetensors":
         yield from _through_fastsafetensors(weights, settings)
         return
-    yield from iter_tensors(
-        weights.files, local_dir=weights.local_copy, group=group, settings=settings
-    )
+    load = iter_tensors(weights.files, local_dir=weights.local_copy, group=group, settings=settings)
+    yield from load
+    log.info("loaderplug: %s", loaded(load))
+
+
+def loaded(load: Load) -> str:
+    """What a finished load did, in a line: bytes read and mapped, the time to the first
+    tensor and, for ranks sharing it, how."""
+    report = load.report
+    if report is None:
+        return "loaded"
+    parts = [f"{len(report.results)} file(s)"]
+    if report.bytes_copied:
+        parts.append(
+            f"{report.bytes_copied / MiB:.1f} MiB read in {report.seconds:.2f} s "
+            f"({report.mib_per_s:.1f} MiB/s)"
+        )
+    if report.bytes_mapped:
+        parts.append(f"{report.bytes_mapped / MiB:.1f} MiB mapped from memory, not read")
+    if load.first_tensor_s is not None:
+        parts.append(f"first tensor at {load.first_tensor_s:.2f} s")
+    if load.sharing is not None and load.bytes_in_flight is not None:
+        parts.append(
+            f"ranks shared it by {load.sharing}, each within "
+            f"{format_size(load.bytes_in_flight)} of memory"
+        )
+    return "; ".join(parts)
 
 
 def _through_fastsafetensors(
