@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from loaderplug.engine.retry import Cancelled
+from loaderplug.storage.mounts import MEMORY_TYPES, filesystem_type
 from loaderplug.tensors.budget import MemoryBudget
 from loaderplug.testing.model import write_model, write_shard
 from loaderplug.units import MiB
@@ -78,6 +79,51 @@ def test_a_waiting_span_is_cancelled() -> None:
         budget.admit(5, finishing=0, cancel=cancel)
 
 
+class _Recording(MemoryBudget):
+    """A budget that records what each span asked for."""
+
+    def __init__(self) -> None:
+        super().__init__(1 << 40)
+        self.asked: list[tuple[int, int]] = []
+
+    def admit(self, nbytes: int, *, finishing: int, cancel: threading.Event) -> None:
+        self.asked.append((nbytes, finishing))
+        super().admit(nbytes, finishing=finishing, cancel=cancel)
+
+
+def test_a_span_holds_the_tensors_it_begins_whole(tmp_path: Path) -> None:
+    pytest.importorskip("torch")
+    from loaderplug.tensors.header_reads import read_header_of
+    from loaderplug.tensors.sinks import TensorSink
+
+    path = tmp_path / "model.safetensors"
+    write_shard(path, [4 * MiB, MiB, 0, MiB, 6 * MiB], first_tensor=0, seed=0)
+    header = read_header_of(path)
+    data = min(t.begin for t in header.tensors)  # the header's own bytes come first
+    budget = _Recording()
+    sink = TensorSink(header, "cpu", lambda name, tensor: None, budget)
+    cancel = threading.Event()
+    spans = [
+        (0, data),  # the header alone: no tensor
+        (data, 4 * MiB),  # exactly the first tensor
+        (data + 4 * MiB, MiB + MiB // 2),  # the next two (and the empty one), at their start
+        (data + 5 * MiB + MiB // 2, MiB),  # finishes the third, begins the last
+        (data + 6 * MiB + MiB // 2, 5 * MiB + MiB // 2),  # only continues the last
+    ]
+    for offset, length in spans:
+        sink.admit(offset, length, cancel)
+    assert budget.asked == [
+        (0, 0),
+        (4 * MiB, 0),
+        (2 * MiB, 0),
+        (6 * MiB, MiB),
+        (0, 6 * MiB),
+    ]
+    assert budget.held == 12 * MiB  # every tensor, once
+    sink.abort()
+    assert budget.held == 0  # none was emitted: all of it goes back
+
+
 def _load_slowly(paths: list[Path], budget: str) -> tuple[int, int]:
     """Load ``paths`` (cold, 4 MiB spans, eight readers) within ``budget``, the consumer
     slower than the reads: the tensors it got and the most the budget held."""
@@ -86,6 +132,8 @@ def _load_slowly(paths: list[Path], budget: str) -> tuple[int, int]:
     from loaderplug.tensors.delivery import TensorDelivery, TensorsOf
     from loaderplug.tensors.load_plan import load_plan
 
+    if filesystem_type(paths[0].parent) in MEMORY_TYPES:
+        pytest.skip("files in memory are mapped, not read: no budget to measure")
     for path in paths:
         drop_from_page_cache(path)  # read into memory, not mapped from the page cache
     settings = from_env(
@@ -98,6 +146,7 @@ def _load_slowly(paths: list[Path], budget: str) -> tuple[int, int]:
         time.sleep(0.02)
         del tensor
         count += 1
+    assert plan.delivery.budget.held == 0  # every tensor released once handed over
     return count, plan.delivery.budget.peak
 
 
@@ -112,7 +161,7 @@ def test_with_a_slow_consumer_the_tensors_held_stay_within_the_budget(tmp_path: 
         write_shard(path, pattern * 3, first_tensor=15 * i, seed=i)
     count, peak = _load_slowly(paths, "16M")
     assert count == 30
-    assert peak <= 16 * MiB, peak / MiB
+    assert 10 * MiB <= peak <= 16 * MiB, peak / MiB  # the tensors were held, and no more
 
 
 def test_two_tensors_next_to_each_other_larger_than_the_budget_load(tmp_path: Path) -> None:
@@ -131,7 +180,7 @@ def test_two_tensors_next_to_each_other_larger_than_the_budget_load(tmp_path: Pa
     assert result, "the load waited on itself"
     count, peak = result[0]
     assert count == 4
-    assert peak <= 24 * MiB
+    assert 16 * MiB < peak <= 24 * MiB  # stretched to the two, and no further
 
 
 PEAK = """

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from loaderplug import hydrate
 from loaderplug.tensors.header_reads import read_header_of
 from loaderplug.tensors.ranks import owners, sharing_mode
 from loaderplug.testing.model import write_model
@@ -59,6 +60,9 @@ def test_auto_shares_through_the_page_cache_but_where_a_broadcast_measured_faste
         # Network files read in place: mapped, their pages would be read again.
         assert sharing_mode([on_mirror], "cpu", None, auto, 4) == "broadcast"
         assert sharing_mode([on_mirror], "cpu", local, streamed, 2) == "stream"
+        # Once the local copy is current it is read instead: local files, the page cache.
+        hydrate(vol.mountpoint, local, progress=False)
+        assert sharing_mode([on_mirror], "cpu", local, auto, 2) == "pagecache"
     assert sharing_mode([on_disk], "cpu", None, auto, 2) == "pagecache"
     assert sharing_mode([on_disk], "cuda", None, auto, 2) == "broadcast"
 

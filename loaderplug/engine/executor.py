@@ -186,8 +186,13 @@ class Engine:
                 if task.failed:
                     continue
                 # A span a sink holds in a memory budget waits there for room first.
-                for sink in task.roles.budgeted:
-                    sink.admit(span.offset, span.length, self._cancel)
+                try:
+                    for sink in task.roles.budgeted:
+                        sink.admit(span.offset, span.length, self._cancel)
+                except Cancelled:
+                    if self._cancel.is_set():
+                        raise
+                    continue  # its file failed meanwhile: the next file's span instead
                 return task, span
             return None
 

@@ -41,7 +41,7 @@ from loaderplug.plugins.manager import Plugins
 from loaderplug.settings import Settings
 from loaderplug.tensors.reader import iter_tensors
 from loaderplug.types import MirrorRequest
-from loaderplug.units import MiB, format_size
+from loaderplug.units import MiB
 
 from .upstream import UpstreamChanged
 
@@ -155,11 +155,12 @@ def stream(
 
 def loaded(load: Load) -> str:
     """What a finished load did, in a line: bytes read and mapped, the time to the first
-    tensor and, for ranks sharing it, how."""
+    tensor and, for ranks sharing it, how (a rank's report is of the files it read)."""
     report = load.report
     if report is None:
         return "loaded"
-    parts = [f"{len(report.results)} file(s)"]
+    files = len(report.results)
+    parts = [f"{files} file(s)" if load.sharing is None else f"{files} of {len(load.owners)} files"]
     if report.bytes_copied:
         parts.append(
             f"{report.bytes_copied / MiB:.1f} MiB read in {report.seconds:.2f} s "
@@ -169,11 +170,8 @@ def loaded(load: Load) -> str:
         parts.append(f"{report.bytes_mapped / MiB:.1f} MiB mapped from memory, not read")
     if load.first_tensor_s is not None:
         parts.append(f"first tensor at {load.first_tensor_s:.2f} s")
-    if load.sharing is not None and load.bytes_in_flight is not None:
-        parts.append(
-            f"ranks shared it by {load.sharing}, each within "
-            f"{format_size(load.bytes_in_flight)} of memory"
-        )
+    if load.sharing is not None:
+        parts.append(f"the ranks on this host shared the rest by {load.sharing}")
     return "; ".join(parts)
 
 

@@ -18,7 +18,7 @@ Two exceptions keep a load from waiting on itself. A span is admitted when nothi
 held, so a tensor larger than the budget still loads (the budget stretches to it). A
 span that finishes a tensor is admitted when that tensor is all that is held: it can
 only be freed once this span lands, whatever else the span begins (the budget stretches
-to those two tensors).
+to it and the tensors beginning in that span).
 """
 
 from __future__ import annotations

@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any, Literal, Protocol
 
 from loaderplug.errors import DistributedError, LoaderplugError
+from loaderplug.jobs.current_copy import is_current_copy
 from loaderplug.jobs.partial import partial_for
 from loaderplug.jobs.runner import Runner
 from loaderplug.settings import BY_FIELD, Settings
@@ -54,6 +55,7 @@ from loaderplug.tensors.load import Load
 from loaderplug.tensors.load_plan import load_plan
 from loaderplug.tensors.peers import Peer, PeerWatch, pid_namespace
 from loaderplug.tensors.sinks import MappedFile, MappedTensors
+from loaderplug.types import Identity
 
 
 @dataclass(frozen=True)
@@ -153,16 +155,18 @@ def sharing_mode(
     ranks: int,
 ) -> Literal["pagecache", "broadcast", "stream"]:
     """How tensors reach the other ranks: as the setting says, or (auto) as measured
-    best (benchmarks/scale_bench.py, 3.8 GiB, runs of 2026-12-04, every mode within its
-    memory bound): the page cache for CPU tensors whose bytes end on a local filesystem,
-    but for two ranks in a one pass from a network mirror. Read in place: 0.37-0.74x
-    safe_open's time per rank at 2 ranks, 0.57-0.94x at 4 (the broadcast 1.03-1.30x and
-    2.45-2.91x). A one pass from the mirror at 2 ranks: the broadcast 1.09-1.15x a plain
-    hydrate (the first tensor at 9-11% of the load), the page cache 1.25-1.46x (it waits
-    for whole files); at 4 ranks the page cache 1.21-1.31x and the broadcast 1.68-1.81x:
-    each rank receives (N-1)/N of the model through a socket, a cost that grows with the
-    ranks. A broadcast otherwise: for CUDA tensors, and for network files read in place,
-    whose pages another process's mapping would read again from the network."""
+    best (benchmarks/scale_bench.py, 3.8 GiB, four runs of 2026-12-04): the page cache
+    for CPU tensors whose bytes end on a local filesystem, but for two ranks in a one pass
+    from a network mirror. Read in place: 0.37-0.74x safe_open's time per rank at 2
+    ranks, 0.57-0.94x at 4 (the broadcast 1.03-1.30x and 2.19-2.91x). A one pass from
+    the mirror at 2 ranks: the broadcast 1.09-1.16x a plain hydrate, the page cache
+    1.20-1.46x, a narrow margin on a machine whose runs vary by 20%, but the broadcast's
+    in every run, for less CPU (1.96-2.17 s per GiB against 2.44-3.01); at 4 ranks the
+    page cache 1.21-1.31x and the broadcast 1.68-2.62x: each rank receives (N-1)/N of
+    the model through a socket, a cost that grows with the ranks. A broadcast otherwise:
+    for CUDA tensors, and for network files read in place, whose pages another
+    process's mapping would read again from the network. Ranks may see a local copy
+    change between their looks: :func:`shared_tensors` makes them agree."""
     if settings.rank_sharing != "auto":
         return settings.rank_sharing
     if device != "cpu":
@@ -170,10 +174,24 @@ def sharing_mode(
     folders = {local_dir} if local_dir is not None else {p.parent for p in paths}
     if any(is_network_type(filesystem_type(folder)) for folder in folders):
         return "broadcast"
-    from_mirror = local_dir is not None and any(
-        is_network_type(filesystem_type(folder)) for folder in {p.parent for p in paths}
-    )
-    return "broadcast" if from_mirror and ranks == 2 else "pagecache"
+    if ranks == 2 and local_dir is not None and _copies_from_network(paths, local_dir):
+        return "broadcast"
+    return "pagecache"
+
+
+def _copies_from_network(paths: Sequence[Path], local_dir: Path) -> bool:
+    """Whether a one pass into ``local_dir`` reads some file from a network filesystem:
+    one whose copy there is not current (a current copy is read instead)."""
+    for path in paths:
+        if not is_network_type(filesystem_type(path.parent)):
+            continue
+        try:
+            identity = Identity.of(os.stat(path))
+        except OSError:
+            return True  # the load itself says what is wrong with it
+        if not is_current_copy(local_dir / path.name, identity):
+            return True
+    return False
 
 
 def shared_tensors(
@@ -202,7 +220,7 @@ def shared_tensors(
             raise AssertionError("unreachable: the step raised") from exc
         owner = owners(sizes, share.size)
         mine = [f for f, r in zip(files, owner, strict=True) if r == share.rank]
-        mode = sharing_mode(files, device, local, settings, share.size)
+        mode = _agreed(steps, sharing_mode(files, device, local, settings, share.size))
         in_page_cache = mode in ("pagecache", "stream")
         if in_page_cache:
             # Buffered, so what this rank reads (and writes) stays in the page cache for
@@ -243,6 +261,16 @@ def shared_tensors(
     load.first_tensor_s, load.sharing = delivery.first_tensor_s, mode
     load.bytes_in_flight = settings.bytes_in_flight
     load.owners = {str(f): share.global_ranks[r] for f, r in zip(files, owner, strict=True)}
+
+
+def _agreed(
+    steps: _Steps, mode: Literal["pagecache", "broadcast", "stream"]
+) -> Literal["pagecache", "broadcast", "stream"]:
+    """Rank 0's sharing mode, on every rank: a local copy published between two ranks'
+    looks at it would have them share in different ways."""
+    first = steps.exchange(("mode", mode))[0]
+    assert first is not None and first[0] == "mode"
+    return first[1]  # type: ignore[no-any-return]
 
 
 def _data_group(share: Share, device: str) -> Any:

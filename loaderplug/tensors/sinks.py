@@ -234,6 +234,8 @@ class TensorSink(_CoveredSink):
             return
         assert self._pages is not None
         with self._lock:
+            if self._closed:  # aborted since it landed: its bytes went back with the file
+                return
             self._emitted += t.nbytes
         handle = self._pages.tensor(t)
         tensor = torch.frombuffer(handle, dtype=torch.uint8).view(dtype).reshape(t.torch_shape)
@@ -243,8 +245,8 @@ class TensorSink(_CoveredSink):
         self.emit(t.name, tensor)
 
     def _close(self) -> None:
-        """The file is done: what it held for its own bytes (header, gaps) and for
-        tensors it will never emit goes back; emitted ones go when handed over."""
+        """The file is done: what it held for tensors it will never emit goes back;
+        emitted ones go when handed over."""
         with self._lock:
             if self._closed:
                 return
