@@ -48,6 +48,7 @@ from loaderplug.jobs.partial import partial_for
 from loaderplug.jobs.runner import Runner
 from loaderplug.settings import BY_FIELD, Settings
 from loaderplug.storage.mounts import filesystem_type, is_network_type
+from loaderplug.tensors.copy_pages import ConsumedPages
 from loaderplug.tensors.delivery import ReadyOf, TensorDelivery, TensorReady, TensorsOf
 from loaderplug.tensors.header import Header
 from loaderplug.tensors.header_reads import read_header_of
@@ -479,20 +480,25 @@ def _by_stream(
     """A step per tensor, as a broadcast, but no byte moves between ranks: the owner says
     which tensor landed (and, with a file's first, the file's header); the others map
     the file it is reading (or, in a one pass, the copy it is writing) and take the
-    tensor from their mapping, touching only the pages they use."""
+    tensor from their mapping, touching only the pages they use. A one pass's copy
+    leaves the page cache tensor by tensor as every rank has had it (see
+    :mod:`loaderplug.tensors.copy_pages`)."""
     events = runner.run()
     files_mapped = _MappedFiles(files, local, device)
     index = {f.name: i for i, f in enumerate(files)}
     told: set[int] = set()  # the files whose header this rank has sent
+    pages = ConsumedPages([local / f.name for f in files]) if local is not None else None
 
     def new_step() -> _StreamStep:
-        return _StreamStep(steps, files_mapped, index, delivery.headers, told)
+        return _StreamStep(steps, files_mapped, index, delivery.headers, told, pages)
 
     try:
         yield from _each_step(ReadyOf(events), new_step, steps)
     finally:
         events.close()
         files_mapped.close()
+        if pages is not None:
+            pages.close()
 
 
 class _MappedFiles:
@@ -529,7 +535,8 @@ class _MappedFiles:
 class _StreamStep(Iterator[tuple[str, Any]]):
     """One step of a stream: this rank's offer (its next own tensor, :attr:`own`), then
     every tensor offered, in rank order: its own from its memory, the others' from the
-    mappings. It lets go of its own tensor as it hands it over."""
+    mappings. It lets go of its own tensor as it hands it over; with ``pages``, the
+    copy's pages of the tensors it offered a step before leave the page cache."""
 
     def __init__(
         self,
@@ -538,9 +545,11 @@ class _StreamStep(Iterator[tuple[str, Any]]):
         index: dict[str, int],
         headers: dict[str, Header],
         told: set[int],
+        pages: ConsumedPages | None = None,
     ) -> None:
         self.steps, self.files = steps, files
         self.index, self.headers, self.told = index, headers, told
+        self.pages = pages
         self.own: TensorReady | None = None
         self.error: str | None = None  # a mapping this rank could not make
         self._said: list[Any] = []
@@ -552,10 +561,14 @@ class _StreamStep(Iterator[tuple[str, Any]]):
         file = self.index[self.own.rel]
         header = self.headers[self.own.rel] if file not in self.told else None
         self.told.add(file)
+        if self.pages is not None:
+            self.pages.offered(file, self.headers[self.own.rel], self.own.name)
         return ("tensor", (file, self.own.name, header))
 
     def hand_over(self, said: list[Any]) -> _StreamStep:
         self._said, self._next_rank = said, 0
+        if self.pages is not None:
+            self.pages.step_passed()
         return self
 
     def __next__(self) -> tuple[str, Any]:
