@@ -281,9 +281,10 @@ class Settings:
         "file the reader just left in the page cache: CPU tensors from local files), "
         "broadcast (over the group; CUDA tensors, network files), stream (no copy, "
         "tensor by tensor: the others map the file the reader is reading or writing "
-        "and take each tensor as soon as it landed; CPU tensors), or auto (as measured "
-        "fastest: pagecache where it applies, but broadcast for two ranks' one pass "
-        "from a network mirror, and wherever pagecache does not apply).",
+        "and take each tensor as soon as it landed, and a one pass's copy leaves the "
+        "page cache as they are done with it; CPU tensors), or auto (as measured "
+        "fastest: stream for a one pass from a network mirror, pagecache for CPU "
+        "tensors from local files, broadcast wherever pagecache does not apply).",
         choices=get_args(RankSharing),
     )
     origins: Mapping[str, Origin] = field(default_factory=dict, compare=False, repr=False)

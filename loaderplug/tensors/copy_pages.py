@@ -8,12 +8,14 @@ disk: a one pass in one process, and a hydrate, write it with O_DIRECT and hold 
 what is in flight. The pages also cost what fresh memory costs: on a virtual machine
 that hands freed memory back to its host, 2.4-2.6 s of CPU per GiB against 0.25 s for
 memory freed a moment before (docs/benchmarks.md). So the owner of a tensor drops its
-pages (``POSIX_FADV_DONTNEED``) once every rank has had it, which the step after it was
-offered proves: every rank handed it over before it took part in that step. The
-kernel drops only what it may: a page still mapped (a consumer that kept the tensor)
-or not yet written back stays, and the pages at a tensor's two ends, which it may share
-with a neighbour, are left alone. Dropping is advice: a failure to drop changes
-nothing.
+pages (``POSIX_FADV_DONTNEED``) once every rank is done with it, which the second step
+after the one it was offered in proves: every rank handed it over before the next
+step, and its consumer took a tensor of that next step (every step but the last hands
+each rank at least one) before the one after, so a consumer that drops each tensor as
+it takes the next (``for name, tensor in load``) holds it no more. The kernel drops
+only what it may: a page still mapped (a consumer that kept the tensor) or not yet
+written back stays, and the pages at a tensor's two ends, which it may share with a
+neighbour, are left alone. Dropping is advice: a failure to drop changes nothing.
 """
 
 from __future__ import annotations
@@ -27,33 +29,43 @@ from loaderplug.tensors.header import Header, TensorInfo
 
 
 class ConsumedPages:
-    """The copy's pages of the tensors this rank offered, dropped one step later."""
+    """The copy's pages of the tensors this rank offered, dropped two steps later."""
 
     def __init__(self, copies: list[Path]) -> None:
         self.copies = copies  # each file's final path in the local copy, by index
         self._fds: dict[int, int] = {}
         self._tensors: dict[int, dict[str, TensorInfo]] = {}  # each file's, by name
-        self._offered: list[tuple[int, TensorInfo]] = []  # in the step under way
-        self._handed_over: list[tuple[int, TensorInfo]] = []  # in the step before
+        # The tensors offered in the step under way, the one before, and the one before
+        # that (whose turn it is).
+        self._steps: list[list[tuple[int, TensorInfo]]] = [[], [], []]
 
     def offered(self, file: int, header: Header, name: str) -> None:
         """This rank offers tensor ``name`` of file ``file`` (``header``'s) in the step
         under way."""
         if file not in self._tensors:
             self._tensors[file] = {t.name: t for t in header.tensors}
-        self._offered.append((file, self._tensors[file][name]))
+        self._steps[0].append((file, self._tensors[file][name]))
 
     def step_passed(self) -> None:
-        """Every rank has entered the step after the one under way's offers were made
-        (so every rank handed those of the step before over): drop those."""
-        for file, tensor in self._handed_over:
+        """Every rank has entered the step under way: the tensors offered two steps
+        before are every consumer's no more; drop them."""
+        for file, tensor in self._steps.pop():
             fd = self._fd(file)
             if fd is not None:
                 with contextlib.suppress(OSError):
                     os.posix_fadvise(fd, tensor.begin, tensor.nbytes, os.POSIX_FADV_DONTNEED)
-        self._handed_over, self._offered = self._offered, []
+        self._steps.insert(0, [])
 
     def close(self) -> None:
+        """The load is over: drop what is left of the copies this rank wrote (the last
+        steps' tensors, those still being written back when their turn came, the pages
+        two tensors share), as a one pass in one process leaves none of its copy
+        behind; but a page a consumer still maps."""
+        for file in self._tensors:  # every file this rank offered a tensor of
+            fd = self._fd(file)
+            if fd is not None:
+                with contextlib.suppress(OSError):
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         for fd in self._fds.values():
             os.close(fd)
         self._fds.clear()

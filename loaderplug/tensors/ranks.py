@@ -153,21 +153,21 @@ def sharing_mode(
     device: str,
     local_dir: Path | None,
     settings: Settings,
-    ranks: int,
 ) -> Literal["pagecache", "broadcast", "stream"]:
     """How tensors reach the other ranks: as the setting says, or (auto) as measured
-    best (benchmarks/scale_bench.py, 3.8 GiB, four runs of 2026-12-04): the page cache
-    for CPU tensors whose bytes end on a local filesystem, but for two ranks in a one pass
-    from a network mirror. Read in place: 0.37-0.74x safe_open's time per rank at 2
-    ranks, 0.57-0.94x at 4 (the broadcast 1.03-1.30x and 2.19-2.91x). A one pass from
-    the mirror at 2 ranks: the broadcast 1.09-1.16x a plain hydrate, the page cache
-    1.20-1.46x, a narrow margin on a machine whose runs vary by 20%, but the broadcast's
-    in every run, for less CPU (1.96-2.17 s per GiB against 2.44-3.01); at 4 ranks the
-    page cache 1.21-1.31x and the broadcast 1.68-2.62x: each rank receives (N-1)/N of
-    the model through a socket, a cost that grows with the ranks. A broadcast otherwise:
-    for CUDA tensors, and for network files read in place, whose pages another
-    process's mapping would read again from the network. Ranks may see a local copy
-    change between their looks: :func:`shared_tensors` makes them agree."""
+    best (benchmarks/scale_bench.py, 3.8 GiB): the page cache for CPU tensors whose bytes
+    are on a local filesystem, the stream for a one pass from a network mirror. Read in
+    place: 0.37-0.74x safe_open's time per rank at 2 ranks, 0.57-0.94x at 4 (the
+    broadcast 1.03-1.30x and 2.19-2.91x). A one pass from the mirror, once the stream
+    drops the copy's pages as the ranks are done with them (2026-12-04, alternating):
+    the stream 0.97-1.07x a plain hydrate at 2 ranks and 1.02-1.04x at 4, for the least
+    CPU (4.2-4.8 s against the broadcast's 7.3-7.4 and the page cache's 9.2 at 2 ranks),
+    the broadcast 1.02-1.08x at 2 ranks (each rank receives (N-1)/N of the model through
+    a socket, a cost that grows with the ranks), the page cache 1.19-1.35x (it waits for
+    whole files, and holds the whole copy in memory). A broadcast otherwise: for CUDA
+    tensors, and for network files read in place, whose pages another process's
+    mapping would read again from the network. Ranks may see a local copy change
+    between their looks: :func:`shared_tensors` makes them agree."""
     if settings.rank_sharing != "auto":
         return settings.rank_sharing
     if device != "cpu":
@@ -175,8 +175,8 @@ def sharing_mode(
     folders = {local_dir} if local_dir is not None else {p.parent for p in paths}
     if any(is_network_type(filesystem_type(folder)) for folder in folders):
         return "broadcast"
-    if ranks == 2 and local_dir is not None and _copies_from_network(paths, local_dir):
-        return "broadcast"
+    if local_dir is not None and _copies_from_network(paths, local_dir):
+        return "stream"
     return "pagecache"
 
 
@@ -221,7 +221,7 @@ def shared_tensors(
             raise AssertionError("unreachable: the step raised") from exc
         owner = owners(sizes, share.size)
         mine = [f for f, r in zip(files, owner, strict=True) if r == share.rank]
-        mode = _agreed(steps, sharing_mode(files, device, local, settings, share.size))
+        mode = _agreed(steps, sharing_mode(files, device, local, settings))
         in_page_cache = mode in ("pagecache", "stream")
         if in_page_cache:
             # Buffered, so what this rank reads (and writes) stays in the page cache for
@@ -494,6 +494,12 @@ def _by_stream(
 
     try:
         yield from _each_step(ReadyOf(events), new_step, steps)
+        if pages is not None:
+            # Every rank past the last step lets go of its mappings, so that what is
+            # left of the copy in the page cache can go too (but the tensors the
+            # consumers still hold).
+            files_mapped.close()
+            steps.exchange(None)
     finally:
         events.close()
         files_mapped.close()
