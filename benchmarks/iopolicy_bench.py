@@ -115,11 +115,13 @@ def run_case(
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="a 1 GiB model, 2 rounds")
+    parser.add_argument(
+        "--quick", action="store_true", help="a 1 GiB model, 2 rounds (else 2 GiB, 5)"
+    )
     parser.add_argument("--out", type=Path, default=HERE / "results")
     args = parser.parse_args()
     size = GiB if args.quick else 2 * GiB
-    rounds = 2 if args.quick else 3
+    rounds = 2 if args.quick else 5
     started = time.perf_counter()
     from loaderplug.testing.volume import VolumeProfile, mounted
 
