@@ -544,8 +544,9 @@ def write_tp(args: argparse.Namespace, size: int, layers: int, text: str, raw: A
         f"same FUSE test volume, mounted afresh for every run; vLLM {_vllm_version()} CPU "
         f"build on {os.cpu_count()} cores, TP=2 with the `mp` executor on gloo, one core per "
         "worker (`VLLM_CPU_OMP_THREADS_BIND=0|1`). volcache hydrates into an empty local "
-        "copy and loads in one pass (at TP=2 the two workers split the shards and each "
-        "broadcasts what it reads to the other); cp -r + safetensors copies first. "
+        "copy and loads in one pass (at TP=2 the two workers split the shards and "
+        "stream them: each names the tensors it has written to the copy, and the other "
+        "maps them from there); cp -r + safetensors copies first. "
         'Weights s: vLLM\'s "Loading weights took" of the slowest rank; peak RSS per rank: '
         "each worker process's "
         "VmHWM after `LLM()` (at TP=1 the engine and the worker are one process); "

@@ -283,8 +283,9 @@ class Settings:
         "tensor by tensor: the others map the file the reader is reading or writing "
         "and take each tensor as soon as it landed, and a one pass's copy leaves the "
         "page cache as they are done with it; CPU tensors), or auto (as measured "
-        "fastest: stream for a one pass from a network mirror, pagecache for CPU "
-        "tensors from local files, broadcast wherever pagecache does not apply).",
+        "fastest: for CPU tensors, stream in a one pass from a network mirror and "
+        "pagecache from local files; broadcast for CUDA tensors and network files read "
+        "in place).",
         choices=get_args(RankSharing),
     )
     origins: Mapping[str, Origin] = field(default_factory=dict, compare=False, repr=False)

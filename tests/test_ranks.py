@@ -141,6 +141,24 @@ def test_a_streamed_one_pass_leaves_its_copy_on_disk_not_in_memory(
     assert cached["pagecache"] > 0.5, cached
 
 
+def test_a_streaming_rank_with_nothing_landed_yet_does_not_hold_back_the_others(
+    tmp_path: Path, model8: list[Path]
+) -> None:
+    """Rank 1's reads land late: rank 0's tensors reach both ranks meanwhile, all of
+    them before any of rank 1's, instead of one of each per step (which would have every
+    rank wait for rank 1's first tensor)."""
+    local = tmp_path / "local"
+    env = {"RANK_LOCAL_DIR": str(local), "LOADERPLUG_RANK_SHARING": "stream"}
+    outs, _ = run_ranks(tmp_path, model8, 2, env, per_rank={1: {"RANK_DATA_DELAY_S": "2"}})
+    assert all(out.get("error") is None and out["tensors"] == expected(model8) for out in outs)
+    file_of = {t.name: f.name for f in model8 for t in read_header_of(f).tensors}
+    rank0_files = set(outs[0]["reads"])
+    assert rank0_files and not rank0_files & set(outs[1]["reads"])
+    for out in outs:
+        order = [file_of[name] in rank0_files for name in out["tensors"]]  # as received
+        assert order == sorted(order, reverse=True), order
+
+
 @pytest.mark.fuse
 @pytest.mark.parametrize("sharing", ["auto", "stream"])
 def test_a_one_pass_from_the_mirror_reads_the_volume_once_across_ranks(
@@ -157,6 +175,7 @@ def test_a_one_pass_from_the_mirror_reads_the_volume_once_across_ranks(
         served = vol.stats()
     want = expected(sorted(backing.glob("*.safetensors")))
     assert all(out.get("error") is None and out["tensors"] == want for out in outs), outs
+    assert all(out["sharing"] == "stream" for out in outs)  # auto's choice here
     model_bytes = sum(f.stat().st_size for f in backing.glob("*.safetensors"))
     assert served["bytes_read"] <= 1.05 * model_bytes, (served, model_bytes)
     assert all(

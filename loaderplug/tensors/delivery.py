@@ -65,7 +65,14 @@ class FileFinished:
     result: FileResult
 
 
-Event = TensorReady | FileFinished
+@dataclass(frozen=True)
+class Idle:
+    """Nothing landed within the delivery's ``idle_after_s``: the consumer may do other
+    work and ask again (a rank streaming a shared load steps on without a tensor of its
+    own, so the others' reach it)."""
+
+
+Event = TensorReady | FileFinished | Idle
 
 
 class TensorDelivery:
@@ -105,6 +112,9 @@ class TensorDelivery:
         # an exception: raise it (see interrupt).
         self.ready: queue.SimpleQueue[Event | BaseException | None] = queue.SimpleQueue()
         self.interrupted: BaseException | None = None
+        # How long the consumer waits for the next event before it is handed Idle
+        # (None: as long as it takes).
+        self.idle_after_s: float | None = None
 
     # -- planning (the runner's thread) -------------------------------------------------
 
@@ -291,7 +301,10 @@ class HandOver(Generator[Event, None, "EngineStats | None"]):
         delivery = self._delivery
         if delivery.interrupted is not None:
             raise delivery.interrupted
-        event = delivery.ready.get()
+        try:
+            event = delivery.ready.get(timeout=delivery.idle_after_s)
+        except queue.Empty:
+            return Idle()
         if isinstance(event, BaseException):
             raise event
         if event is None:
@@ -370,6 +383,23 @@ class ReadyOf(Iterator[TensorReady]):
             if event.result.status == "failed":
                 raise LoaderplugError(f"{event.result.path}: {event.result.reason}")
         self.done = True
+        raise StopIteration
+
+
+class ReadyOrIdle(Iterator[TensorReady | Idle]):
+    """The :class:`TensorReady` events among a load's events, and :class:`Idle` where
+    none landed in time (see ``TensorDelivery.idle_after_s``); finished files are passed
+    over and a failed one raises :class:`~loaderplug.errors.LoaderplugError`."""
+
+    def __init__(self, events: Iterator[Any]) -> None:
+        self._events = events
+
+    def __next__(self) -> TensorReady | Idle:
+        for event in self._events:
+            if isinstance(event, TensorReady | Idle):
+                return event
+            if event.result.status == "failed":
+                raise LoaderplugError(f"{event.result.path}: {event.result.reason}")
         raise StopIteration
 
 

@@ -40,7 +40,7 @@ class Load(Iterator[tuple[str, "torch.Tensor"]]):
         self.first_tensor_s: float | None = None
         # How each file was read: direct, buffered or mapped, and why.
         self.io_modes: dict[str, str] = {}
-        # For ranks sharing the load: pagecache or broadcast, and each file's reader.
+        # For ranks sharing the load: pagecache, stream or broadcast, and each file's reader.
         self.sharing: str | None = None
         self.owners: dict[str, int] = {}
         # The memory budget this process loaded within: LOADERPLUG_BYTES_IN_FLIGHT, or

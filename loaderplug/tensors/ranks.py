@@ -6,7 +6,7 @@ the disk or the volume, and hold it once per rank. Instead the ranks of each hos
 (:func:`share_for`) split the files between them, balanced by bytes, by a rule every rank
 computes the same way (:func:`owners`). Each rank loads its own files as any load is
 loaded (a plan run by the runner: locks, leftovers, current copies, the memory budget),
-and the tensors reach the other ranks one of two ways:
+and the tensors reach the other ranks one of three ways:
 
 * **pagecache** (CPU tensors from files on a local filesystem): the owner reads buffered,
   so once it is done with a file the file sits in the page cache; it says so, and the
@@ -15,22 +15,28 @@ and the tensors reach the other ranks one of two ways:
   and each tensor is handed over as a view of the page cache once landed): the host
   holds the model once, in the page cache. A one pass publishes each rank's files into
   the local copy, and the others map that; the owner maps the copy it is writing.
+* **stream** (a one pass from a network mirror): the owner names each tensor as it
+  lands in the copy it writes through the page cache, and the others map the copy and
+  take it from there; the copy's pages leave the page cache as every rank is done
+  with them.
 * **broadcast** (CUDA tensors over NCCL, or files on a network filesystem, whose pages
   no other process can share): the owner broadcasts each tensor over the group as it
   completes.
 
 The ranks advance in steps, all together: at each step every rank says (through one
 small collective) what it has done since the last one: a file finished, a tensor to
-broadcast, nothing left, or the error it hit. An error on one rank is raised on every
-rank, naming the rank; every collective runs on a group of loaderplug's own with
-``LOADERPLUG_DISTRIBUTED_TIMEOUT_S``, the bound for a rank that is slow. A rank that
-dies is noticed at once (:mod:`loaderplug.tensors.peers` watches the processes of the host's
-ranks): every other rank stops reading and raises, naming it, whether it was waiting
-in a step, reading, or waiting for its consumer to ask for the next tensor.
+broadcast, the tensors that landed (or none yet), nothing left, or the error it hit. An
+error on one rank is raised on every rank, naming the rank; every collective runs on a
+group of loaderplug's own with ``LOADERPLUG_DISTRIBUTED_TIMEOUT_S``, the bound for a
+rank that is slow. A rank that dies is noticed at once (:mod:`loaderplug.tensors.peers`
+watches the processes of the host's ranks): every other rank stops reading and raises,
+naming it, whether it was waiting in a step, reading, or waiting for its consumer to ask
+for the next tensor.
 """
 
 from __future__ import annotations
 
+import collections
 import datetime
 import math
 import mmap
@@ -49,7 +55,7 @@ from loaderplug.jobs.runner import Runner
 from loaderplug.settings import BY_FIELD, Settings
 from loaderplug.storage.mounts import filesystem_type, is_network_type
 from loaderplug.tensors.copy_pages import ConsumedPages
-from loaderplug.tensors.delivery import ReadyOf, TensorDelivery, TensorReady, TensorsOf
+from loaderplug.tensors.delivery import Idle, ReadyOrIdle, TensorDelivery, TensorReady, TensorsOf
 from loaderplug.tensors.header import Header
 from loaderplug.tensors.header_reads import read_header_of
 from loaderplug.tensors.load import Load
@@ -250,7 +256,7 @@ def shared_tensors(
             groups.append(_data_group(share, device))
             yield from _by_broadcast(runner, steps, device, groups[-1])
     finally:
-        # Past the last step (or failed everywhere): the peers may exit as they like.
+        # Past the last exchange (or failed everywhere): the peers may exit as they like.
         steps.watch.close()
         # The groups are this load's: left behind, their threads abort the process at
         # exit.
@@ -376,7 +382,8 @@ def _each_step(
     own: Iterator[Any], new_step: Callable[[], _Step], steps: _Steps
 ) -> Iterator[tuple[str, Any]]:
     """Steps until every rank is done: at each, every rank offers its next own tensor
-    (``step.offer()``) and hands over every tensor offered (``step.hand_over(said)``).
+    (``step.offer()``; a stream's rank may say it has none yet) and hands over every
+    tensor offered (``step.hand_over(said)``).
     An error, this rank's own or one it met handing over, ends the load on every rank."""
     done = False
     while True:
@@ -468,6 +475,12 @@ def _receive_buffer(dtype: Any, shape: list[int], device: str) -> Any:
 
 # -- stream ----------------------------------------------------------------------------
 
+# How long a streaming rank waits for a tensor of its own before it steps on without
+# one: short next to a tensor's read, long next to a step (a millisecond or two).
+STREAM_IDLE_S = 0.02
+# The most tensors a streaming rank offers in one step.
+STREAM_BATCH = 64
+
 
 def _by_stream(
     runner: Runner,
@@ -477,12 +490,16 @@ def _by_stream(
     delivery: TensorDelivery,
     device: str,
 ) -> Iterator[tuple[str, Any]]:
-    """A step per tensor, as a broadcast, but no byte moves between ranks: the owner says
-    which tensor landed (and, with a file's first, the file's header); the others map
-    the file it is reading (or, in a one pass, the copy it is writing) and take the
-    tensor from their mapping, touching only the pages they use. A one pass's copy
-    leaves the page cache tensor by tensor as every rank has had it (see
-    :mod:`loaderplug.tensors.copy_pages`)."""
+    """Steps as in a broadcast, but no byte moves between ranks: at each step each rank
+    names the tensors of its own that landed since the last (and, with a file's first,
+    the file's header), or that none did; the others map the file it is reading (or,
+    in a one pass, the copy it is writing) and take each tensor from their mapping,
+    touching only the pages they use. A one pass's copy leaves the page cache tensor by
+    tensor as every rank has had it (see :mod:`loaderplug.tensors.copy_pages`)."""
+    # A rank with no tensor of its own yet steps on without one after a moment, so that
+    # the others' tensors reach it: the first tensor reaches every rank when the first
+    # rank has one, not when the last does.
+    delivery.idle_after_s = STREAM_IDLE_S
     events = runner.run()
     files_mapped = _MappedFiles(files, local, device)
     index = {f.name: i for i, f in enumerate(files)}
@@ -493,13 +510,12 @@ def _by_stream(
         return _StreamStep(steps, files_mapped, index, delivery.headers, told, pages)
 
     try:
-        yield from _each_step(ReadyOf(events), new_step, steps)
-        if pages is not None:
-            # Every rank past the last step lets go of its mappings, so that what is
-            # left of the copy in the page cache can go too (but the tensors the
-            # consumers still hold).
-            files_mapped.close()
-            steps.exchange(None)
+        yield from _each_step(LandedBatches(events, delivery), new_step, steps)
+        # Every rank past the last step lets go of its mappings, so that what is left
+        # of a one pass's copy in the page cache can go too (but the tensors the
+        # consumers still hold). On every rank alike, whatever its local folder.
+        files_mapped.close()
+        steps.exchange(None)
     finally:
         events.close()
         files_mapped.close()
@@ -538,11 +554,35 @@ class _MappedFiles:
         self._open.clear()
 
 
+class LandedBatches(Iterator["collections.deque[TensorReady] | Idle"]):
+    """This rank's own tensors, for a stream's steps: every one landed by now (at least
+    one, at most :data:`STREAM_BATCH`), or :class:`Idle` where none landed within the
+    delivery's ``idle_after_s``. A step offers them all: a model of many small tensors
+    takes a few steps, not one per tensor."""
+
+    def __init__(self, events: Iterator[Any], delivery: TensorDelivery) -> None:
+        self._ready = ReadyOrIdle(events)
+        self._queue = delivery.ready
+
+    def __next__(self) -> collections.deque[TensorReady] | Idle:
+        first = next(self._ready)
+        if isinstance(first, Idle):
+            return first
+        batch = collections.deque([first])
+        while len(batch) < STREAM_BATCH and not self._queue.empty():
+            item = next(self._ready, None)
+            if not isinstance(item, TensorReady):
+                break  # the end (the next call says so), or nothing more landed yet
+            batch.append(item)
+        return batch
+
+
 class _StreamStep(Iterator[tuple[str, Any]]):
-    """One step of a stream: this rank's offer (its next own tensor, :attr:`own`), then
-    every tensor offered, in rank order: its own from its memory, the others' from the
-    mappings. It lets go of its own tensor as it hands it over; with ``pages``, the
-    copy's pages of the tensors it offered a step before leave the page cache."""
+    """One step of a stream: this rank's offer (its own tensors landed by now,
+    :attr:`own`, or that it has none yet), then every tensor offered, in rank order: its
+    own from its memory, the others' from the mappings. It lets go of each own tensor
+    as it hands it over; with ``pages``, the copy's pages of the tensors it offered two
+    steps before leave the page cache."""
 
     def __init__(
         self,
@@ -551,43 +591,48 @@ class _StreamStep(Iterator[tuple[str, Any]]):
         index: dict[str, int],
         headers: dict[str, Header],
         told: set[int],
-        pages: ConsumedPages | None = None,
+        pages: ConsumedPages | None,
     ) -> None:
         self.steps, self.files = steps, files
         self.index, self.headers, self.told = index, headers, told
         self.pages = pages
-        self.own: TensorReady | None = None
+        self.own: collections.deque[TensorReady] | Idle | None = None
         self.error: str | None = None  # a mapping this rank could not make
         self._said: list[Any] = []
         self._next_rank = 0
+        self._next_item = 0  # in the offer of rank ``_next_rank``
 
     def offer(self) -> tuple[str, Any] | None:
         if self.own is None:
             return None
-        file = self.index[self.own.rel]
-        header = self.headers[self.own.rel] if file not in self.told else None
-        self.told.add(file)
-        if self.pages is not None:
-            self.pages.offered(file, self.headers[self.own.rel], self.own.name)
-        return ("tensor", (file, self.own.name, header))
+        if isinstance(self.own, Idle):
+            return ("waiting", None)
+        offers = []
+        for ready in self.own:
+            file, header = self.index[ready.rel], self.headers[ready.rel]
+            if self.pages is not None:
+                self.pages.offered(file, header, ready.name)
+            offers.append((file, ready.name, header if file not in self.told else None))
+            self.told.add(file)
+        return ("tensors", offers)
 
     def hand_over(self, said: list[Any]) -> _StreamStep:
-        self._said, self._next_rank = said, 0
+        self._said, self._next_rank, self._next_item = said, 0, 0
         if self.pages is not None:
-            self.pages.step_passed()
+            self.pages.step_entered(handed=any(s is not None and s[0] == "tensors" for s in said))
         return self
 
     def __next__(self) -> tuple[str, Any]:
         while self._next_rank < len(self._said):
             rank, step = self._next_rank, self._said[self._next_rank]
-            self._next_rank += 1
-            if step is None or step[0] != "tensor":
+            if step is None or step[0] != "tensors" or self._next_item == len(step[1]):
+                self._next_rank, self._next_item = self._next_rank + 1, 0
                 continue
-            file, name, header = step[1]
+            file, name, header = step[1][self._next_item]
+            self._next_item += 1
             if rank == self.steps.share.rank:
-                assert self.own is not None
-                tensor, self.own = self.own.tensor, None
-                return name, tensor
+                assert isinstance(self.own, collections.deque)
+                return name, self.own.popleft().tensor
             if header is not None:
                 self.files.headers[file] = header
             try:

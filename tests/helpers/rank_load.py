@@ -7,7 +7,9 @@ whose name contains it fail with EACCES), RANK_DIE_AFTER (this rank dies after t
 tensors), RANK_DIE_AT_S (this rank kills itself with SIGKILL that many seconds into the
 load, whatever it is doing, saying "dying at <unix time>" on stderr first),
 RANK_CONSUMER_SLEEP_S (the consumer sleeps that long over the first tensor),
-RANK_TENSOR_SLEEP_S (and that long over every tensor), RANK_MAP_FAIL (this rank cannot
+RANK_TENSOR_SLEEP_S (and that long over every tensor), RANK_DATA_DELAY_S (this rank's
+reads of tensors' bytes, 64 KiB or more, land that long after the first is asked for;
+headers are read at once), RANK_MAP_FAIL (this rank cannot
 map the other ranks' files: ENOMEM, as when the address space runs out), RANK_DEVICE
 (load to that device: a tensor off the CPU is recorded by its device, not its bytes),
 RANK_GROUP=none (no group
@@ -45,12 +47,19 @@ reads: dict[str, int] = {}  # by file name
 read_paths: dict[str, int] = {}  # by path: the mirror's file or the local copy
 lock = threading.Lock()
 FAIL = os.environ.get("RANK_FAIL", "")
+DATA_DELAY_S = float(os.environ.get("RANK_DATA_DELAY_S", "0"))
+data_from: list[float] = []  # when this rank's reads of tensors' bytes may land
 
 
 class CountingSource(PosixSource):
     def pread_into(self, buf: memoryview, offset: int) -> int:
         if FAIL and FAIL in Path(self.path).name:
             raise OSError(errno.EACCES, os.strerror(errno.EACCES), self.path)
+        if DATA_DELAY_S and len(buf) >= 64 * 1024:
+            with lock:
+                if not data_from:
+                    data_from.append(time.monotonic() + DATA_DELAY_S)
+            time.sleep(max(0.0, data_from[0] - time.monotonic()))
         got = super().pread_into(buf, offset)
         with lock:
             reads[Path(self.path).name] = reads.get(Path(self.path).name, 0) + got
