@@ -20,7 +20,10 @@
    group, both on GPU 0 (so one GPU is enough), with ``LOADERPLUG_RANK_SHARING`` forced
    to ``pagecache`` and then ``stream``: each rank reads half the files through pinned
    staging and takes the other half from its mapping of the page cache, copied to its
-   GPU. Each rank checks every tensor against safetensors' and gives its GB/s.
+   GPU. Then ``stream`` in a one pass into a local copy (what ``auto`` does for CPU
+   tensors from a network mirror): the copy's pages leave the page cache as the ranks
+   are done with them, and the copy must come out byte-identical. Each rank checks every
+   tensor against safetensors' and gives its GB/s.
 
 Prints markdown tables; exits 1 if any tensor differs, 2 if there is no GPU.
 """
@@ -28,15 +31,26 @@ Prints markdown tables; exits 1 if any tensor differs, 2 if there is no GPU.
 from __future__ import annotations
 
 import argparse
+import filecmp
 import os
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from common import drop_cache  # benchmarks/ is on sys.path when this runs as a script
 
 from loaderplug.units import MiB
+
+
+def same_bytes(a: Any, b: Any) -> bool:
+    """Whether two tensors hold the same bytes: ``torch.equal`` calls two NaNs
+    different, and a model of random bytes has NaNs."""
+    import torch
+
+    flat = (t.reshape(-1).view(torch.uint8) for t in (a, b))
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(*flat)
 
 
 def rank_main(rank: int, world: int, init: str, files: list[str]) -> int:
@@ -63,32 +77,47 @@ def rank_main(rank: int, world: int, init: str, files: list[str]) -> int:
         timeout=datetime.timedelta(seconds=300),
     )
     device = f"cuda:{gpu}"
+    local = os.environ.get("GPU_CHECK_LOCAL_DIR") or None  # a one pass into that copy
     dist.barrier()
     started = time.perf_counter()
-    got = dict(iter_tensors(files, device=device, group=dist.group.WORLD, progress=False))
+    load = iter_tensors(
+        files, device=device, local_dir=local, group=dist.group.WORLD, progress=False
+    )
+    got = dict(load)
     torch.cuda.synchronize()
     seconds = time.perf_counter() - started
     want = {k: v for f in files for k, v in load_file(f, device=device).items()}
-    bad = [k for k, v in want.items() if k not in got or not torch.equal(got[k], v)]
+    bad = [k for k, v in want.items() if k not in got or not same_bytes(got[k], v)]
+    if local is not None:
+        bad += [
+            f"the copy of {os.path.basename(f)}"
+            for f in files
+            if not filecmp.cmp(f, os.path.join(local, os.path.basename(f)), shallow=False)
+        ]
     total = sum(os.path.getsize(f) for f in files)
     print(json.dumps({"rank": rank, "seconds": seconds, "gbps": total / seconds / 1e9,
-                      "bad": bad[:5], "tensors": len(got),
+                      "bad": bad[:5], "tensors": len(got), "sharing": load.sharing,
                       "devices": sorted({str(t.device) for t in got.values()})}))  # fmt: skip
     dist.destroy_process_group()
     return 1 if bad else 0
 
 
-def ranks_check(files: list[str], tmp: str, sharing: str | None = None) -> int:
+def ranks_check(
+    files: list[str], tmp: str, sharing: str | None = None, local: str | None = None
+) -> int:
     """Start one process per GPU for :func:`rank_main` (or, with ``sharing``, two on GPU
-    0 sharing the page cache that way); print their table."""
+    0 sharing the page cache that way; with ``local``, in a one pass into that folder);
+    print their table."""
     import json
     import subprocess
 
     import torch
 
     world = torch.cuda.device_count() if sharing is None else 2
-    init = os.path.join(tmp, f"init-{sharing or 'nccl'}")
+    init = os.path.join(tmp, f"init-{sharing or 'nccl'}-{'copy' if local else 'in-place'}")
     env = {**os.environ, **({"LOADERPLUG_RANK_SHARING": sharing} if sharing else {})}
+    if local is not None:
+        env["GPU_CHECK_LOCAL_DIR"] = local
     drop_cache(files)
     procs = [
         subprocess.Popen(
@@ -101,18 +130,19 @@ def ranks_check(files: list[str], tmp: str, sharing: str | None = None) -> int:
     ]
     rows = [json.loads(p.communicate()[0].strip().splitlines()[-1]) for p in procs]
     if sharing is not None:
-        mode = f"{sharing}, 2 ranks on GPU 0"
+        copy = ", one pass into a local copy" if local else ""
+        mode = f"{sharing}{copy}, 2 ranks on GPU 0"
     else:
         mode = "staging, group of one" if world == 1 else f"NCCL broadcast, {world} ranks"
-    print(f"\n| rank ({mode}) | s | GB/s | tensors | equal to safetensors |")
-    print("|---|---|---|---|---|")
+    print(f"\n| rank ({mode}) | shared by | s | GB/s | tensors | equal to safetensors |")
+    print("|---|---|---|---|---|---|")
     for row in rows:
         same = "yes" if not row["bad"] else f"NO: {row['bad']}"
         if any(not d.startswith("cuda") for d in row["devices"]):
             same = f"NO: tensors on {row['devices']}"
             row["bad"] = row["bad"] or row["devices"]
         figures = f"{row['seconds']:.2f} | {row['gbps']:.2f} | {row['tensors']}"
-        print(f"| {row['rank']} | {figures} | {same} |")
+        print(f"| {row['rank']} | {row['sharing'] or '-'} | {figures} | {same} |")
     return 1 if any(row["bad"] for row in rows) else 0
 
 
@@ -180,7 +210,7 @@ def main() -> int:
             (who, k)
             for who in ("loaderplug", "fastsafetensors")
             for k, v in reference.items()
-            if not torch.equal(results[who][k], v)
+            if not same_bytes(results[who][k], v)
         ]
 
         host = torch.empty(total, dtype=torch.uint8, pin_memory=True)
@@ -210,6 +240,8 @@ def main() -> int:
             files = [str(p) for p in write_model(Path(tmp), args.size_mib * MiB, shards=4)]
             for sharing in ("pagecache", "stream"):
                 status = max(status, ranks_check(files, tmp, sharing))
+            local = os.path.join(tmp, "local")
+            status = max(status, ranks_check(files, tmp, "stream", local=local))
     return status
 
 
