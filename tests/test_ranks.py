@@ -157,6 +157,8 @@ def test_a_streaming_rank_with_nothing_landed_yet_does_not_hold_back_the_others(
     for out in outs:
         order = [file_of[name] in rank0_files for name in out["tensors"]]  # as received
         assert order == sorted(order, reverse=True), order
+    # Rank 1's load reports when its consumer had a tensor, not when its own landed.
+    assert outs[1]["first_tensor_s"] < 2, outs[1]["first_tensor_s"]
 
 
 @pytest.mark.fuse

@@ -43,7 +43,8 @@ import mmap
 import os
 import pickle
 import socket
-from collections.abc import Callable, Iterator, Sequence
+import time
+from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Protocol
@@ -248,12 +249,14 @@ def shared_tensors(
         steps.watch.on_death(lambda peer: delivery.interrupt(steps.watch.error(peer)))
         if mode == "pagecache":
             final = [local / f.name if local is not None else f for f in files]
-            yield from _by_page_cache(runner, steps, files, final, device)
+            pairs = _by_page_cache(runner, steps, files, final, device)
         elif mode == "stream":
-            yield from _by_stream(runner, steps, files, local, delivery, device)
+            pairs = _by_stream(runner, steps, files, local, delivery, device)
         else:
             groups.append(_data_group(share, device))
-            yield from _by_broadcast(runner, steps, device, groups[-1])
+            pairs = _by_broadcast(runner, steps, device, groups[-1])
+        handed = _FirstHandedOver(pairs)
+        yield from handed
     finally:
         # Past the last exchange (or failed everywhere): the peers may exit as they like.
         steps.watch.close()
@@ -264,9 +267,41 @@ def shared_tensors(
             if steps.pending is not None:
                 _abandon(group, steps.pending)
     load.report, load.io_modes = runner.report, runner.io_modes
-    load.first_tensor_s, load.sharing = delivery.first_tensor_s, mode
-    load.bytes_in_flight = settings.bytes_in_flight
+    # When this rank's consumer had its first tensor (its own first tensor may have
+    # landed earlier and waited for a step), from the job's start as in any load.
+    load.first_tensor_s = (
+        handed.at - delivery.started
+        if handed.at is not None and delivery.started is not None
+        else delivery.first_tensor_s
+    )
+    load.sharing, load.bytes_in_flight = mode, settings.bytes_in_flight
     load.owners = {str(f): share.global_ranks[r] for f, r in zip(files, owner, strict=True)}
+
+
+# A sharing mode's hand-over: every tensor of the load, on this rank.
+SharedPairs = Generator[tuple[str, Any], None, None]
+
+
+class _FirstHandedOver(Iterator[tuple[str, Any]]):
+    """``pairs``, noting when the first is handed over. An iterator object, not a
+    generator: it keeps no tensor, and ``yield from`` closes ``pairs`` through it."""
+
+    def __init__(self, pairs: SharedPairs) -> None:
+        self._pairs = pairs
+        self.at: float | None = None  # time.monotonic() of the first pair
+
+    def __next__(self) -> tuple[str, Any]:
+        pair = next(self._pairs)
+        if self.at is None:
+            self.at = time.monotonic()
+        return pair
+
+    def throw(self, *exc: Any) -> tuple[str, Any]:
+        # As ``yield from`` would with ``pairs`` itself: its cleanup runs first.
+        return self._pairs.throw(*exc)
+
+    def close(self) -> None:
+        self._pairs.close()
 
 
 def _agreed(
@@ -306,7 +341,7 @@ def _size(path: Path) -> int:
 
 def _by_page_cache(
     runner: Runner, steps: _Steps, files: list[Path], final: list[Path], device: str
-) -> Iterator[tuple[str, Any]]:
+) -> SharedPairs:
     """Own tensors as they complete; at each own file done, a step: the files the other
     ranks finished meanwhile are mapped from the page cache and yielded."""
     index = {f.name: i for i, f in enumerate(files)}
@@ -363,9 +398,7 @@ def _to(tensor: Any, device: str) -> Any:
 # -- broadcast -------------------------------------------------------------------------
 
 
-def _by_broadcast(
-    runner: Runner, steps: _Steps, device: str, data_group: Any
-) -> Iterator[tuple[str, Any]]:
+def _by_broadcast(runner: Runner, steps: _Steps, device: str, data_group: Any) -> SharedPairs:
     """A step per tensor: each rank offers its next own tensor, and every offered tensor
     is broadcast from its owner to the others over ``data_group``."""
     events = runner.run()
@@ -491,7 +524,7 @@ def _by_stream(
     local: Path | None,
     delivery: TensorDelivery,
     device: str,
-) -> Iterator[tuple[str, Any]]:
+) -> SharedPairs:
     """Steps as in a broadcast, but no byte moves between ranks: at each step each rank
     names the tensors of its own that landed since the last (and, with a file's first,
     the file's header), or that none did; the others map the file it is reading (or,

@@ -15,7 +15,8 @@ map the other ranks' files: ENOMEM, as when the address space runs out), RANK_DE
 RANK_GROUP=none (no group
 passed: the default group is found), and every LOADERPLUG_* setting. Prints {"tensors":
 {name: [dtype, shape, crc32]}, "reads": {file: bytes read through the source hook},
-"read_paths": the same by path, "error": message or null, "seconds": s, "failed_at":
+"read_paths": the same by path, "error": message or null, "seconds": s, "first_tensor_s":
+the load's, "failed_at":
 unix time of the error, "rss_growth": peak resident bytes over those before the load}.
 """
 
@@ -129,6 +130,7 @@ def main() -> int:
     out["reads"] = reads
     out["read_paths"] = read_paths
     out["sharing"] = load.sharing
+    out["first_tensor_s"] = load.first_tensor_s
     out["bytes_in_flight"] = load.bytes_in_flight
     out["rss_growth"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base_rss
     print(json.dumps(out))
