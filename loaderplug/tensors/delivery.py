@@ -380,8 +380,7 @@ class ReadyOf(Iterator[TensorReady]):
             if self._pause:
                 self.finished = event.result
                 raise StopIteration
-            if event.result.status == "failed":
-                raise LoaderplugError(f"{event.result.path}: {event.result.reason}")
+            _raise_if_failed(event)
         self.done = True
         raise StopIteration
 
@@ -398,9 +397,14 @@ class ReadyOrIdle(Iterator[TensorReady | Idle]):
         for event in self._events:
             if isinstance(event, TensorReady | Idle):
                 return event
-            if event.result.status == "failed":
-                raise LoaderplugError(f"{event.result.path}: {event.result.reason}")
+            _raise_if_failed(event)
         raise StopIteration
+
+
+def _raise_if_failed(event: FileFinished) -> None:
+    """A file that failed ends the consumer's iteration with its error."""
+    if event.result.status == "failed":
+        raise LoaderplugError(f"{event.result.path}: {event.result.reason}")
 
 
 class TensorsOf(Iterator[tuple[str, Any]]):

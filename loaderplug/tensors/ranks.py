@@ -156,10 +156,7 @@ def rank_part(host_bytes_in_flight: int, ranks: int) -> int:
 
 
 def sharing_mode(
-    paths: Sequence[Path],
-    device: str,
-    local_dir: Path | None,
-    settings: Settings,
+    paths: Sequence[Path], device: str, local_dir: Path | None, settings: Settings
 ) -> Literal["pagecache", "broadcast", "stream"]:
     """How tensors reach the other ranks: as the setting says, or (auto) as measured
     best (benchmarks/scale_bench.py, 3.8 GiB, runs of 2026-12-04): for CPU tensors, the
@@ -189,8 +186,10 @@ def sharing_mode(
 def _copies_from_network(paths: Sequence[Path], local_dir: Path) -> bool:
     """Whether a one pass into ``local_dir`` reads some file from a network filesystem:
     one whose copy there is not current (a current copy is read instead)."""
+    folders = {path.parent for path in paths}
+    on_network = {folder for folder in folders if is_network_type(filesystem_type(folder))}
     for path in paths:
-        if not is_network_type(filesystem_type(path.parent)):
+        if path.parent not in on_network:
             continue
         try:
             identity = Identity.of(os.stat(path))
