@@ -187,3 +187,15 @@ def test_a_tensor_finished_by_one_writer_waits_for_another_writers_copies() -> N
     backend.a_done.set()
     b.join(5)
     assert got == {"w": list(range(8, 16))}
+
+
+@pytest.mark.parametrize("source", ["writable", "read-only", "empty"])
+def test_staging_fills_the_start_of_a_buffer_with_the_bytes_given(source: str) -> None:
+    from loaderplug.tensors.staging import fill
+
+    payload = bytes(range(256)) * 64 if source != "empty" else b""
+    data = memoryview(bytearray(payload) if source == "writable" else payload)
+    buffer = torch.full((len(payload) + 100,), 0xAB, dtype=torch.uint8)
+    fill(buffer, data)
+    assert bytes(buffer[: len(payload)].numpy()) == payload
+    assert buffer[len(payload) :].eq(0xAB).all()  # nothing past the data touched

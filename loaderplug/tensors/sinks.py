@@ -25,7 +25,7 @@ from loaderplug.tensors.budget import MemoryBudget
 from loaderplug.tensors.dtypes import DTYPES
 from loaderplug.tensors.header import Header, TensorInfo
 from loaderplug.tensors.page_release import PageReleaser
-from loaderplug.tensors.staging import StagingPool, as_bytes
+from loaderplug.tensors.staging import StagingPool, fill
 
 if TYPE_CHECKING:
     import torch
@@ -338,7 +338,7 @@ class DeviceTensorSink:
         end = offset + len(data)
         buffer = self.pool.take()
         try:
-            as_bytes(buffer)[: len(data)] = data
+            fill(buffer, data)
             with self._lock:  # abort() may be dropping the device memory
                 if self._aborted:
                     return

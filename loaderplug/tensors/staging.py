@@ -134,6 +134,18 @@ def pool_for(backend: CopyBackend, bytes_in_flight: int) -> StagingPool:
     return StagingPool(backend, size, bytes_in_flight // size)
 
 
-def as_bytes(tensor: Any) -> memoryview:
-    """A writable byte view of a contiguous host tensor, for plain memcpy into it."""
-    return memoryview(tensor.numpy()).cast("B")
+def fill(buffer: torch.Tensor, data: memoryview) -> None:
+    """Copy ``data`` into the start of the host tensor ``buffer``.
+
+    Through torch, which lets go of the GIL for the copy (and splits a large one over
+    its threads): a memoryview assignment holds the GIL for the whole memcpy, so the
+    writers staging at once copied one at a time. On an H200 host, 4 GiB from the page
+    cache reached the GPU in 0.47-0.54 s this way against 1.06-1.15 s (benchmarks/
+    results/gpu_check.md)."""
+    if data.readonly or not data:  # frombuffer wants a writable, non-empty buffer
+        host: Any = buffer.numpy()
+        memoryview(host).cast("B")[: len(data)] = data
+        return
+    import torch
+
+    buffer[: len(data)].copy_(torch.frombuffer(data, dtype=torch.uint8))
