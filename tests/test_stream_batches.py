@@ -20,6 +20,9 @@ class _Delivery:
     def __init__(self) -> None:
         self.ready: queue.SimpleQueue[Any] = queue.SimpleQueue()
 
+    def has_waiting(self) -> bool:
+        return not self.ready.empty()
+
     def events(self) -> Iterator[Any]:
         while True:
             try:

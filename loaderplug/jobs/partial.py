@@ -18,7 +18,9 @@ import contextlib
 import json
 import os
 import threading
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 from loaderplug.engine.spans import Landed
 from loaderplug.types import Identity
@@ -26,9 +28,21 @@ from loaderplug.types import Identity
 PARTIAL_SUFFIX = ".loaderplug-partial"
 JOURNAL_SUFFIX = ".loaderplug-landed"
 
+T = TypeVar("T")
+
 
 def partial_for(dst: Path) -> Path:
     return dst.with_name(f".{dst.name}{PARTIAL_SUFFIX}")
+
+
+def open_copy(dst: Path, opener: Callable[[Path], T]) -> T:
+    """``opener`` on where the bytes of the copy ``dst`` are while a job writes it: the
+    partial copy or, once published (renamed into place), ``dst`` itself, the same pages
+    either way. Raises ``dst``'s FileNotFoundError when neither is there."""
+    try:
+        return opener(partial_for(dst))
+    except FileNotFoundError:
+        return opener(dst)
 
 
 def journal_for(dst: Path) -> Path:

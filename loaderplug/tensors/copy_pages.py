@@ -27,7 +27,7 @@ import contextlib
 import os
 from pathlib import Path
 
-from loaderplug.jobs.partial import partial_for
+from loaderplug.jobs.partial import open_copy
 from loaderplug.tensors.header import Header, TensorInfo
 
 # How many steps after its offer a tensor's pages go (see the module's docstring).
@@ -85,11 +85,10 @@ class ConsumedPages:
         """The copy of ``file``: the partial one being written or, once published, the
         copy itself (the same pages either way); None if neither is there."""
         if file not in self._fds:
-            final = self.copies[file]
-            for path in (partial_for(final), final):
-                with contextlib.suppress(OSError):
-                    self._fds[file] = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-                    break
+            with contextlib.suppress(OSError):
+                self._fds[file] = open_copy(
+                    self.copies[file], lambda path: os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+                )
         return self._fds.get(file)
 
 

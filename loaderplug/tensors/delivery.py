@@ -221,6 +221,10 @@ class TensorDelivery:
         self.interrupted = exc
         self.ready.put(exc)
 
+    def has_waiting(self) -> bool:
+        """Whether an event waits for the consumer: taking the next would not block."""
+        return not self.ready.empty()
+
     def taken(self, event: TensorReady) -> None:
         """The consumer received ``event``'s tensor, one a sink emitted: a tensor
         assembled on the host leaves the budget once its consumer has it."""

@@ -51,7 +51,7 @@ from typing import Any, Literal, Protocol
 
 from loaderplug.errors import DistributedError, LoaderplugError
 from loaderplug.jobs.current_copy import is_current_copy
-from loaderplug.jobs.partial import partial_for
+from loaderplug.jobs.partial import open_copy
 from loaderplug.jobs.runner import Runner
 from loaderplug.settings import BY_FIELD, Settings
 from loaderplug.storage.mounts import filesystem_type, is_network_type
@@ -576,11 +576,7 @@ class _MappedFiles:
         header = self.headers[index]
         if self.local is None:
             return MappedFile(header, str(self.files[index]))
-        final = self.local / self.files[index].name
-        try:
-            return MappedFile(header, str(partial_for(final)))
-        except FileNotFoundError:
-            return MappedFile(header, str(final))
+        return open_copy(self.local / self.files[index].name, lambda p: MappedFile(header, str(p)))
 
     def close(self) -> None:
         for mapped in self._open.values():
@@ -596,14 +592,14 @@ class LandedBatches(Iterator["collections.deque[TensorReady] | Idle"]):
 
     def __init__(self, events: Iterator[Any], delivery: TensorDelivery) -> None:
         self._ready = ReadyOrIdle(events)
-        self._queue = delivery.ready
+        self._delivery = delivery
 
     def __next__(self) -> collections.deque[TensorReady] | Idle:
         first = next(self._ready)
         if isinstance(first, Idle):
             return first
         batch = collections.deque([first])
-        while len(batch) < STREAM_BATCH and not self._queue.empty():
+        while len(batch) < STREAM_BATCH and self._delivery.has_waiting():
             item = next(self._ready, None)
             if not isinstance(item, TensorReady):
                 break  # the end (the next call says so), or nothing more landed yet
