@@ -35,7 +35,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from common import drop_cache, write_results
+from common import compile_loaderplug, drop_cache, write_results
 
 from loaderplug.testing.model import write_model
 from loaderplug.testing.volume import Fault, VolumeProfile, fuse_unavailable_reason, mounted
@@ -182,6 +182,7 @@ def table(results: dict[str, dict[str, Runs]]) -> str:
 
 
 def main() -> None:
+    compile_loaderplug()
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="256 MiB model, one round")
     parser.add_argument("--rounds", type=int, default=2)

@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import write_results
+from common import compile_loaderplug, write_results
 
 from loaderplug import sync
 from loaderplug.jobs.partial import journal_for, read_landed
@@ -242,6 +242,7 @@ def evicted(root: Path, rounds: int, size: int) -> tuple[list[str], dict[str, An
 
 
 def main() -> None:
+    compile_loaderplug()
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "--quick", action="store_true", help="3 trials, 256 MiB, 10 hydrates, 5 evicted rounds"

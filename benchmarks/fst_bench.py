@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import drop_cache, run_child, write_results
+from common import compile_loaderplug, drop_cache, run_child, write_results
 from hydrate_bench import PROFILE, ram_dir
 
 from loaderplug.units import GiB, MiB
@@ -65,6 +65,7 @@ def measure(name: str, files: list[Path], env: dict[str, str]) -> dict[str, floa
 
 
 def main() -> None:
+    compile_loaderplug()
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="256 MiB, one round")
     parser.add_argument("--rounds", type=int, default=3)

@@ -39,7 +39,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from common import drop_cache  # benchmarks/ is on sys.path when this runs as a script
+from common import (  # benchmarks/ is on sys.path when this runs as a script
+    compile_loaderplug,
+    drop_cache,
+)
 
 from loaderplug.units import MiB
 
@@ -155,6 +158,7 @@ def ranks_check(
 
 
 def main() -> int:
+    compile_loaderplug()
     if len(sys.argv) > 1 and sys.argv[1] == "--rank-child":
         rank, world, init, *files = sys.argv[2:]
         return rank_main(int(rank), int(world), init, files)

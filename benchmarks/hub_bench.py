@@ -52,6 +52,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from common import compile_loaderplug  # benchmarks/ is on sys.path when run
+
 from loaderplug.units import GiB, MiB
 
 # Only the standard library at the top: a child's peak RSS is the contender's own.
@@ -364,6 +366,7 @@ def bench(args: argparse.Namespace) -> None:
 
 
 def main() -> None:
+    compile_loaderplug()
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="256 MiB repo, one round")
     parser.add_argument("--rounds", type=int, default=3)

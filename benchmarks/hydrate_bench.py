@@ -33,7 +33,7 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from common import run_parallel, run_timed
+from common import compile_loaderplug, run_parallel, run_timed
 
 from loaderplug.testing.model import write_model
 from loaderplug.testing.volume import VolumeProfile, fuse_unavailable_reason, mounted
@@ -230,6 +230,7 @@ def table(scenarios: list[dict], rss_rows: list[dict]) -> str:
 
 
 def main() -> None:
+    compile_loaderplug()
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="256 MiB models, one round")
     parser.add_argument("--rounds", type=int, default=3)

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import drop_cache, write_results
+from common import compile_loaderplug, drop_cache, write_results
 from scale_bench import write_scale_model
 
 from loaderplug.units import GiB, MiB
@@ -114,6 +114,7 @@ def run_case(
 
 
 def main() -> None:
+    compile_loaderplug()
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "--quick", action="store_true", help="a 1 GiB model, 2 rounds (else 2 GiB, 5)"

@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import drop_cache, run_child, run_parallel, write_results
+from common import compile_loaderplug, drop_cache, run_child, run_parallel, write_results
 
 from loaderplug.units import GiB, MiB
 
@@ -109,6 +109,7 @@ def measure(name: str, files: list[str]) -> dict[str, float]:
 
 
 def main() -> None:
+    compile_loaderplug()
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="256 MiB, one round")
     parser.add_argument("--rounds", type=int, default=3)

@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import compile_loaderplug  # benchmarks/ is on sys.path when run
 from hydrate_bench import PROFILE, ram_dir
 
 from loaderplug.testing.model import write_model
@@ -68,6 +69,7 @@ def child(name: str, mirror: str, local: str, mnt: str) -> dict[str, float]:
 
 
 def main() -> None:
+    compile_loaderplug()
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--rounds", type=int, default=3)

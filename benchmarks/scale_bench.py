@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import drop_cache, run_timed, write_results
+from common import compile_loaderplug, drop_cache, run_timed, write_results
 
 from loaderplug.testing.model import write_shard
 from loaderplug.units import GiB, MiB, format_size
@@ -390,6 +390,7 @@ def mirror_ranks_table(
 
 
 def main() -> None:
+    compile_loaderplug()
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="small models, N = 1 and 2")
     parser.add_argument("--out", type=Path, default=HERE / "results")

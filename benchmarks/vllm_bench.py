@@ -51,7 +51,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import run_timed
+from common import compile_loaderplug, run_timed
 from hydrate_bench import PROFILE, ram_dir
 
 from loaderplug.storage.residency import cached_fraction
@@ -433,6 +433,7 @@ def table(results: dict[str, list[dict[str, Any]]]) -> str:
 
 
 def main() -> None:
+    compile_loaderplug()
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="a 256 MiB model")
     parser.add_argument("--rounds", type=int, default=1)
