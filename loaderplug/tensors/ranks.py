@@ -159,15 +159,15 @@ def sharing_mode(
     paths: Sequence[Path], device: str, local_dir: Path | None, settings: Settings
 ) -> Literal["pagecache", "broadcast", "stream"]:
     """How tensors reach the other ranks: as the setting says, or (auto) as measured
-    best (benchmarks/scale_bench.py, 3.8 GiB, runs of 2026-12-04): for CPU tensors, the
-    page cache where the bytes are on a local filesystem, the stream for a one pass from
-    a network mirror. Read in place: 0.35-0.74x safe_open's time per rank at 2 ranks,
-    0.57-0.94x at 4 (the broadcast 1.03-1.30x and 2.19-2.91x). A one pass from the
-    mirror (two full runs): the stream 0.95-1.01x a plain hydrate at 2 ranks and
-    1.02-1.03x at 4, for the least CPU (1.1-1.4 s per GiB of the model at 2 ranks; the
-    broadcast 2.0-2.3, the page cache 2.8-3.3); the broadcast 1.10-1.22x at 2 ranks and
-    1.92-2.08x at 4 (each rank receives (N-1)/N of the model through a socket); the page
-    cache 1.19-1.43x (it waits for whole files, and holds the whole copy in memory). A
+    best (benchmarks/scale_bench.py, 3.8 GiB, two full runs of 2026-12-04): for CPU
+    tensors, the page cache where the bytes are on a local filesystem, the stream for a
+    one pass from a network mirror. Read in place: 0.41-0.60x safe_open's time per rank
+    at 2 ranks, 0.53-0.83x at 4 (the broadcast 0.98-1.04x and 1.98-2.66x). A one pass
+    from the mirror: the stream 0.98-0.99x a plain hydrate at 2 ranks and 1.00-1.01x at
+    4, for the least CPU (0.9-1.0 s per GiB of the model at 2 ranks; the broadcast
+    1.9-2.0, the page cache 2.7-2.8); the broadcast 1.06-1.16x at 2 ranks and 1.79-1.91x
+    at 4 (each rank receives (N-1)/N of the model through a socket); the page cache
+    1.10-1.40x (it waits for whole files, and holds the whole copy in memory). A
     broadcast otherwise: for CUDA tensors, and for network files read in place, whose
     pages another process's mapping would read again from the network. Ranks may see a
     local copy change between their looks: :func:`shared_tensors` makes them agree."""
