@@ -20,8 +20,8 @@ def compile_loaderplug() -> None:
     A checkout imported with ``PYTHONDONTWRITEBYTECODE`` set (or with files changed since
     their bytecode was written) compiles every module it imports, in every process,
     inside the clock: at 4 ranks on this machine that took the first tensor from
-    0.78-0.84 s to 1.28-1.93 s. Call it first in a benchmark's main: it does not import
-    loaderplug, so a child's memory stays its contender's own."""
+    0.78-0.84 s to 1.28-1.93 s. Call it first in a benchmark's main (children's too:
+    once compiled, it only looks at the files' times)."""
     import compileall
     import importlib.util
 

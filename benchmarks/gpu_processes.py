@@ -74,9 +74,12 @@ def child(loader: str, device: str, files: list[str]) -> None:
 
 def timed(loader: str, device: str, files: list[str], baseline: str | None) -> float | str:
     """Seconds of one child, or its error's last line."""
-    env = dict(os.environ)
-    if loader == "loaderplug (baseline)":
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [baseline, env.get("PYTHONPATH")]))
+    # This checkout's loaderplug, or the baseline's, whatever else is installed.
+    first = baseline if loader == "loaderplug (baseline)" else str(ROOT)
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [first, os.environ.get("PYTHONPATH")])),
+    }
     done = subprocess.run(
         [sys.executable, __file__, "--child", loader, device, *files],
         capture_output=True,
@@ -103,6 +106,7 @@ def main() -> int:
     parser.add_argument("--device", default="cuda")
     args = parser.parse_args()
     loaders = ["loaderplug", "safetensors", "fastsafetensors"]
+    compileall.compile_dir(str(ROOT / "loaderplug"), quiet=1)  # the one the children get
     if args.baseline:
         loaders.insert(1, "loaderplug (baseline)")
         compileall.compile_dir(str(Path(args.baseline) / "loaderplug"), quiet=1)

@@ -38,7 +38,8 @@ def partial_for(dst: Path) -> Path:
 def open_copy(dst: Path, opener: Callable[[Path], T]) -> T:
     """``opener`` on where the bytes of the copy ``dst`` are while a job writes it: the
     partial copy or, once published (renamed into place), ``dst`` itself, the same pages
-    either way. Raises ``dst``'s FileNotFoundError when neither is there."""
+    either way. Raises ``dst``'s FileNotFoundError when neither is there, and any other
+    error of the first as it is."""
     try:
         return opener(partial_for(dst))
     except FileNotFoundError:
