@@ -68,3 +68,17 @@ def test_nothing_is_asked_of_a_copy_that_is_gone(tmp_path: Path, advised: list[A
         pages.step_entered(handed=True)
     pages.close()
     assert advised == []
+
+
+def test_an_empty_tensor_drops_nothing(tmp_path: Path, advised: list[Any]) -> None:
+    """A length of 0 means "to the end of the file" to the kernel: an empty tensor must
+    not drop the pages of the tensors after it."""
+    final = tmp_path / "a.safetensors"
+    final.write_bytes(b"\0" * 1000)
+    header = _header(final, [100, 0, 100, 100])
+    pages = ConsumedPages([final])
+    pages.offered(0, header, "t1")  # the empty one, alone
+    pages.offered(0, header, "t3")
+    for _ in range(3):  # the second step after the offer's
+        pages.step_entered(handed=True)
+    assert advised == [(final.name, 264, 100)]

@@ -27,6 +27,7 @@ import contextlib
 import os
 from pathlib import Path
 
+from loaderplug.engine.spans import Landed
 from loaderplug.jobs.partial import open_copy
 from loaderplug.tensors.header import Header, TensorInfo
 
@@ -94,11 +95,13 @@ class ConsumedPages:
 
 def _runs(tensors: list[tuple[int, TensorInfo]]) -> list[tuple[int, int, int]]:
     """``(file, begin, end)`` of each run of adjacent tensors: one call to the kernel per
-    run, not per tensor (a batch of a file's small tensors is one range)."""
-    runs: list[tuple[int, int, int]] = []
-    for file, t in sorted(tensors, key=lambda ft: (ft[0], ft[1].begin)):
-        if runs and runs[-1][0] == file and runs[-1][2] == t.begin:
-            runs[-1] = (file, runs[-1][1], t.end)
-        else:
-            runs.append((file, t.begin, t.end))
-    return runs
+    run, not per tensor (a batch of a file's small tensors is one range). An empty
+    tensor has no run: a length of 0 would tell the kernel "to the end of the file"."""
+    by_file: dict[int, list[tuple[int, int]]] = collections.defaultdict(list)
+    for file, t in tensors:
+        by_file[file].append((t.begin, t.end))
+    return [
+        (file, begin, end)
+        for file in sorted(by_file)
+        for begin, end in Landed.of(by_file[file]).ranges
+    ]
