@@ -64,6 +64,32 @@ def warm_cache(files: list[str]) -> None:
                 pass
 
 
+LOADERS = ("loaderplug", "safetensors", "fastsafetensors")
+
+
+def load_with(loader: str, files: list[str], device: str) -> tuple[dict[str, Any], float]:
+    """Every tensor of ``files`` on ``device``, by one of :data:`LOADERS`, and the time
+    to the first (loaderplug's; 0 for the others, which hand over all at once)."""
+    started, first = time.perf_counter(), 0.0
+    if loader == "loaderplug":
+        from loaderplug.tensors.reader import iter_tensors
+
+        got = {}
+        for name, tensor in iter_tensors(files, device=device, progress=False):
+            first = first or time.perf_counter() - started
+            got[name] = tensor
+        return got, first
+    if loader == "safetensors":
+        from safetensors.torch import load_file
+
+        return {k: v for f in files for k, v in load_file(f, device=device).items()}, 0.0
+    from fastsafetensors import fastsafe_open
+
+    where = "cuda:0" if device == "cuda" else device  # fastsafetensors wants an index
+    with fastsafe_open(files, device=where, nogds=True) as f:
+        return {k: f.get_tensor(k).clone() for k in f.keys()}, 0.0  # noqa: SIM118
+
+
 def rank_main(rank: int, world: int, init: str, files: list[str]) -> int:
     """One rank of ``--ranks`` (an NCCL group, a GPU per rank) or of
     ``--page-cache-ranks`` (``LOADERPLUG_RANK_SHARING`` set: a gloo group on GPU 0):
@@ -176,39 +202,15 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("no CUDA device here: run this on a GPU machine", file=sys.stderr)
         return 2
-    from safetensors.torch import load_file
-
-    from loaderplug.tensors.reader import iter_tensors
     from loaderplug.testing.model import write_model
 
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         files = [str(p) for p in write_model(Path(tmp), args.size_mib * MiB, shards=4)]
         total = sum(os.path.getsize(f) for f in files)
 
-        def with_loaderplug() -> tuple[dict[str, torch.Tensor], float]:
-            started, first, out = time.perf_counter(), 0.0, {}
-            for name, tensor in iter_tensors(files, device="cuda", progress=False):
-                first = first or time.perf_counter() - started
-                out[name] = tensor
-            return out, first
-
-        def with_safetensors() -> tuple[dict[str, torch.Tensor], float]:
-            return {k: v for f in files for k, v in load_file(f, device="cuda").items()}, 0.0
-
-        def with_fastsafetensors() -> tuple[dict[str, torch.Tensor], float]:
-            from fastsafetensors import fastsafe_open
-
-            with fastsafe_open(files, device="cuda:0", nogds=True) as f:
-                return {k: f.get_tensor(k).clone() for k in f.keys()}, 0.0  # noqa: SIM118
-
-        loaders = {
-            "loaderplug": with_loaderplug,
-            "safetensors": with_safetensors,
-            "fastsafetensors": with_fastsafetensors,
-        }
         rows, results, failed = [], {}, {}
         for state in ("cold", "warm"):
-            for name, load in loaders.items():
+            for name in LOADERS:
                 if name in failed:
                     continue
                 if state == "cold":
@@ -218,7 +220,7 @@ def main() -> int:
                 torch.cuda.synchronize()
                 started = time.perf_counter()
                 try:
-                    tensors, first = load()
+                    tensors, first = load_with(name, files, "cuda")
                 except Exception as exc:  # a comparison's failure must not hide the rest
                     if name in ("loaderplug", "safetensors"):  # the one and the reference
                         raise

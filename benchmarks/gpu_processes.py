@@ -33,7 +33,7 @@ from common import (  # benchmarks/ is on sys.path when this runs as a script
     compile_loaderplug,
     drop_cache,
 )
-from gpu_check import warm_cache
+from gpu_check import LOADERS, load_with, warm_cache
 
 from loaderplug.testing.model import write_model
 from loaderplug.units import MiB
@@ -48,25 +48,8 @@ def child(loader: str, device: str, files: list[str]) -> None:
     torch.empty(1, device=device)  # the device's context, before the clock
     synchronize = torch.cuda.synchronize if device.startswith("cuda") else lambda: None
     synchronize()
-    started, first = time.perf_counter(), None
-    if loader.startswith("loaderplug"):
-        from loaderplug.tensors.reader import iter_tensors
-
-        got = {}
-        for name, tensor in iter_tensors(files, device=device, progress=False):
-            first = first or time.perf_counter() - started
-            got[name] = tensor
-    elif loader == "safetensors":
-        from safetensors.torch import load_file
-
-        got = {k: v for f in files for k, v in load_file(f, device=device).items()}
-    else:
-        from fastsafetensors import fastsafe_open
-
-        # fastsafetensors wants the device's index.
-        where = "cuda:0" if device == "cuda" else device
-        with fastsafe_open(files, device=where, nogds=True) as f:
-            got = {k: f.get_tensor(k).clone() for k in f.keys()}  # noqa: SIM118
+    started = time.perf_counter()
+    got, first = load_with(loader.split()[0], files, device)
     synchronize()
     seconds = time.perf_counter() - started
     print(json.dumps({"seconds": seconds, "first": first, "tensors": len(got)}))
@@ -105,7 +88,7 @@ def main() -> int:
     parser.add_argument("--baseline", help="another loaderplug checkout's root, timed too")
     parser.add_argument("--device", default="cuda")
     args = parser.parse_args()
-    loaders = ["loaderplug", "safetensors", "fastsafetensors"]
+    loaders = list(LOADERS)
     compileall.compile_dir(str(ROOT / "loaderplug"), quiet=1)  # the one the children get
     if args.baseline:
         loaders.insert(1, "loaderplug (baseline)")
