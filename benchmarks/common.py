@@ -30,6 +30,20 @@ def compile_loaderplug() -> None:
         compileall.compile_dir(folder, quiet=1)
 
 
+def collect_garbage_before_the_clock() -> None:
+    """Collect the garbage the child's imports left, just before it starts its clock.
+
+    Importing torch (and starting a process group) leaves a full collection due: at the
+    start of a scale child ``gc.get_count()`` is (355, 10, 10), so the first thousand
+    allocations of whatever runs next set off a collection of torch's whole heap, which
+    stops every thread of the process for 0.15-0.19 s (4 ranks on this machine) inside
+    the first tensor, whichever contender runs. The debt is the import's, not a load's;
+    every contender's child calls this, so none pays it."""
+    import gc
+
+    gc.collect()
+
+
 def run_timed(cmd: list[str], env: dict[str, str] | None = None) -> tuple[float, int, str]:
     """Wall seconds, peak RSS (bytes) and stdout of one child; fails loudly on error.
 

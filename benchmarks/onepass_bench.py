@@ -27,7 +27,10 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import compile_loaderplug  # benchmarks/ is on sys.path when run
+from common import (  # benchmarks/ is on sys.path when run
+    collect_garbage_before_the_clock,
+    compile_loaderplug,
+)
 from hydrate_bench import PROFILE, ram_dir
 
 from loaderplug.testing.model import write_model
@@ -47,6 +50,7 @@ def child(name: str, mirror: str, local: str, mnt: str) -> dict[str, float]:
         if t.numel():
             t.reshape(-1).view(torch.uint8)[::4096].sum()
 
+    collect_garbage_before_the_clock()
     started = time.perf_counter()
     first = None
     if name == "runpod + safetensors":

@@ -40,7 +40,13 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import compile_loaderplug, drop_cache, run_timed, write_results
+from common import (
+    collect_garbage_before_the_clock,
+    compile_loaderplug,
+    drop_cache,
+    run_timed,
+    write_results,
+)
 
 from loaderplug.testing.model import write_shard
 from loaderplug.units import GiB, MiB, format_size
@@ -98,6 +104,7 @@ def child(args: argparse.Namespace) -> None:
     # The process's peak before the load (torch, the group): the load's own memory is
     # what the peak grows past it.
     rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    collect_garbage_before_the_clock()
     started = time.perf_counter()
     cpu_started = time.process_time()  # every thread's CPU, the load's alone
     first: float | None = None

@@ -11,7 +11,7 @@ from loaderplug.engine.sizing import (
     is_adaptive,
     workers_for_chunk,
 )
-from loaderplug.engine.spans import Span, count_spans, offset_major
+from loaderplug.engine.spans import Span, count_spans, file_major, head_in_steps, offset_major
 from loaderplug.settings import from_env
 from loaderplug.units import MiB
 
@@ -55,6 +55,36 @@ def test_spans_interleave_across_files_offset_major() -> None:
         (0, 2000),
         (2, 2000),
     ]
+
+
+def test_the_head_is_read_in_steps_and_the_rest_in_whole_ranges() -> None:
+    """The first ``head`` bytes of the order come in steps (a range that starts inside
+    the head is cut whole); later ranges, and whole-file spans, keep their size."""
+    order = head_in_steps(file_major, head=2500, step=400)
+    spans = list(order([100, 3000, 2000], 1000, 1000))
+    steps = [(0, 400), (400, 400), (800, 200)]  # each range of 1000 in steps of 400
+    assert spans == [
+        Span(0, 0, 100),  # a whole small file: never cut
+        *(Span(1, start + o, n) for start in (0, 1000, 2000) for o, n in steps),
+        Span(2, 0, 1000),  # past the head: whole ranges
+        Span(2, 1000, 1000),
+    ]
+
+
+@pytest.mark.parametrize("head", [0, 1, 4096, 3 * 4096 + 5, 1 << 30])
+def test_a_head_in_steps_still_covers_every_byte_once(head: int) -> None:
+    sizes = [0, 5000, 4096 * 7 + 3, 4096 * 2]
+    spans = list(head_in_steps(file_major, head, 1024)(sizes, 4096, 4096))
+    for file, size in enumerate(sizes):
+        ranges = covered(spans, file)
+        assert ranges[0][0] == 0 and ranges[-1][1] == size
+        assert all(a[1] == b[0] for a, b in itertools.pairwise(ranges))
+    # Every split range that starts within the head's bytes is cut into steps.
+    read = 0
+    for span in spans:
+        if read < head and sizes[span.file] >= 4096:
+            assert span.length <= 1024
+        read += span.length
 
 
 def test_plan_is_lazy() -> None:

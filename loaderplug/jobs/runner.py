@@ -34,10 +34,11 @@ from typing import Any
 
 from loaderplug.engine.concurrency import AdaptiveLimit, ConcurrencyLimit, FixedLimit
 from loaderplug.engine.executor import Engine, EngineStats, FileTask
+from loaderplug.engine.reading import READ_STEP
 from loaderplug.engine.retry import RetryPolicy
 from loaderplug.engine.sinks import Sink
 from loaderplug.engine.sizing import Sizing, default_sizing, size_job
-from loaderplug.engine.spans import Landed, count_spans, file_major, offset_major
+from loaderplug.engine.spans import Landed, count_spans, file_major, head_in_steps, offset_major
 from loaderplug.errors import TransferFailed
 from loaderplug.jobs.current_copy import is_current_copy
 from loaderplug.jobs.digest import DigestSink, ReorderWindow
@@ -352,9 +353,14 @@ def _engine_for(
         buffers=settings.bytes_in_flight // sizing.chunk,
         retry=RetryPolicy.of(settings),
         observer=_Observer(plugins, plan),
-        # A delivery reads file by file, within its memory budget; a copy spreads its
-        # readers across files.
-        order=file_major if plan.delivery is not None else offset_major,
+        # A delivery reads file by file, within its memory budget, its first wave in
+        # steps so that its first tensors land early; a copy spreads its readers
+        # across files.
+        order=(
+            head_in_steps(file_major, limit.limit * READ_STEP, READ_STEP)
+            if plan.delivery is not None
+            else offset_major
+        ),
         on_bytes=on_bytes,
         name=plan.job,
     )
