@@ -8,6 +8,9 @@ import queue
 from collections.abc import Iterator
 from typing import Any
 
+import pytest
+
+from loaderplug.errors import LoaderplugError
 from loaderplug.tensors.delivery import FileFinished, Idle, TensorReady
 from loaderplug.tensors.ranks import STREAM_BATCH, LandedBatches
 from loaderplug.types import FileResult
@@ -19,12 +22,14 @@ class _Delivery:
 
     def __init__(self) -> None:
         self.ready: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self.waits = 0  # how many times the consumer waited for an event to arrive
 
     def has_waiting(self) -> bool:
         return not self.ready.empty()
 
     def events(self) -> Iterator[Any]:
         while True:
+            self.waits += self.ready.empty()
             try:
                 event = self.ready.get(timeout=0.01)
             except queue.Empty:
@@ -61,3 +66,25 @@ def test_a_batch_is_bounded() -> None:
     assert len(next(batches)) == STREAM_BATCH  # type: ignore[arg-type]
     assert len(next(batches)) == 5  # type: ignore[arg-type]
     assert next(batches, None) is None
+
+
+def test_a_finished_file_at_the_end_of_a_batch_does_not_hold_the_step_back() -> None:
+    """Past the first tensor a batch takes only events already waiting: with a file
+    finished last, the batch is handed to the step without waiting for what lands next
+    (an idle period, at a moment when every other rank may be waiting in the step)."""
+    delivery = _Delivery()
+    for event in (_tensor(1), FileFinished(FileResult("a", "copied"))):
+        delivery.ready.put(event)
+    batches = LandedBatches(delivery.events(), delivery)  # type: ignore[arg-type]
+    assert [t.name for t in next(batches)] == ["t1"]  # type: ignore[union-attr]
+    assert delivery.waits == 0
+
+
+def test_a_failed_file_raises_even_inside_a_batch() -> None:
+    delivery = _Delivery()
+    failed = FileResult("b", "failed", reason="source changed while reading")
+    for event in (_tensor(1), FileFinished(failed), _tensor(2)):
+        delivery.ready.put(event)
+    batches = LandedBatches(delivery.events(), delivery)  # type: ignore[arg-type]
+    with pytest.raises(LoaderplugError, match="source changed while reading"):
+        next(batches)

@@ -384,28 +384,12 @@ class ReadyOf(Iterator[TensorReady]):
             if self._pause:
                 self.finished = event.result
                 raise StopIteration
-            _raise_if_failed(event)
+            raise_if_failed(event)
         self.done = True
         raise StopIteration
 
 
-class ReadyOrIdle(Iterator[TensorReady | Idle]):
-    """The :class:`TensorReady` events among a load's events, and :class:`Idle` where
-    none landed in time (see ``TensorDelivery.idle_after_s``); finished files are passed
-    over and a failed one raises :class:`~loaderplug.errors.LoaderplugError`."""
-
-    def __init__(self, events: Iterator[Any]) -> None:
-        self._events = events
-
-    def __next__(self) -> TensorReady | Idle:
-        for event in self._events:
-            if isinstance(event, TensorReady | Idle):
-                return event
-            _raise_if_failed(event)
-        raise StopIteration
-
-
-def _raise_if_failed(event: FileFinished) -> None:
+def raise_if_failed(event: FileFinished) -> None:
     """A file that failed ends the consumer's iteration with its error."""
     if event.result.status == "failed":
         raise LoaderplugError(f"{event.result.path}: {event.result.reason}")

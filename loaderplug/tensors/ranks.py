@@ -56,7 +56,14 @@ from loaderplug.jobs.runner import Runner
 from loaderplug.settings import BY_FIELD, Settings
 from loaderplug.storage.mounts import filesystem_type, is_network_type
 from loaderplug.tensors.copy_pages import ConsumedPages
-from loaderplug.tensors.delivery import Idle, ReadyOrIdle, TensorDelivery, TensorReady, TensorsOf
+from loaderplug.tensors.delivery import (
+    FileFinished,
+    Idle,
+    TensorDelivery,
+    TensorReady,
+    TensorsOf,
+    raise_if_failed,
+)
 from loaderplug.tensors.header import Header
 from loaderplug.tensors.header_reads import read_header_of
 from loaderplug.tensors.load import Load
@@ -588,22 +595,34 @@ class LandedBatches(Iterator["collections.deque[TensorReady] | Idle"]):
     """This rank's own tensors, for a stream's steps: every one landed by now (at least
     one, at most :data:`STREAM_BATCH`), or :class:`Idle` where none landed within the
     delivery's ``idle_after_s``. A step offers them all: a model of many small tensors
-    takes a few steps, not one per tensor."""
+    takes a few steps, not one per tensor. Finished files are passed over (a failed
+    one raises); past the first tensor only events already waiting are taken, so a
+    finished file at the end of a batch never holds the step back."""
 
     def __init__(self, events: Iterator[Any], delivery: TensorDelivery) -> None:
-        self._ready = ReadyOrIdle(events)
+        self._events = events
         self._delivery = delivery
 
     def __next__(self) -> collections.deque[TensorReady] | Idle:
-        first = next(self._ready)
-        if isinstance(first, Idle):
-            return first
+        for event in self._events:
+            if isinstance(event, Idle):
+                return event
+            if isinstance(event, FileFinished):
+                raise_if_failed(event)
+                continue
+            return self._batch(event)
+        raise StopIteration
+
+    def _batch(self, first: TensorReady) -> collections.deque[TensorReady]:
         batch = collections.deque([first])
         while len(batch) < STREAM_BATCH and self._delivery.has_waiting():
-            item = next(self._ready, None)
-            if not isinstance(item, TensorReady):
-                break  # the end (the next call says so), or nothing more landed yet
-            batch.append(item)
+            event = next(self._events, None)
+            if isinstance(event, FileFinished):
+                raise_if_failed(event)
+            elif isinstance(event, TensorReady):
+                batch.append(event)
+            else:
+                break  # the end (the next call says so)
         return batch
 
 
