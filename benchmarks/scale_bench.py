@@ -378,7 +378,8 @@ def mirror_ranks_table(
         f"floor: {floor:.2f} s; a plain `loaderplug hydrate` from the same mount in this run: "
         f"{hydrate_s:.2f} s (its report's time; its process took {hydrate_wall:.2f} s). Load: "
         f"from the load's start to the rank's last tensor, torch's import and the group's "
-        f"start-up left out, as in the hydrate's figure.\n",
+        f"start-up left out, as in the hydrate's figure, and so is the garbage collection "
+        f"torch's import left due (each child collects before its clock).\n",
         "| N | sharing | wall s | load s (slowest rank) | x floor (load) | x hydrate (load) | "
         "volume bytes / model | first tensor s (latest rank) | first / load | peak RSS, "
         "largest rank (+ in the load, bound) | CPU s per GiB (all ranks) |",
