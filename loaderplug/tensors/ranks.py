@@ -166,18 +166,19 @@ def sharing_mode(
     paths: Sequence[Path], device: str, local_dir: Path | None, settings: Settings
 ) -> Literal["pagecache", "broadcast", "stream"]:
     """How tensors reach the other ranks: as the setting says, or (auto) as measured
-    best (benchmarks/scale_bench.py, 3.8 GiB, two full runs of 2026-12-04): for CPU
-    tensors, the page cache where the bytes are on a local filesystem, the stream for a
-    one pass from a network mirror. Read in place: 0.41-0.60x safe_open's time per rank
-    at 2 ranks, 0.53-0.83x at 4 (the broadcast 0.98-1.04x and 1.98-2.66x). A one pass
-    from the mirror: the stream 0.98-0.99x a plain hydrate at 2 ranks and 1.00-1.01x at
-    4, for the least CPU (0.9-1.0 s per GiB of the model at 2 ranks; the broadcast
-    1.9-2.0, the page cache 2.7-2.8); the broadcast 1.06-1.16x at 2 ranks and 1.79-1.91x
-    at 4 (each rank receives (N-1)/N of the model through a socket); the page cache
-    1.10-1.40x (it waits for whole files, and holds the whole copy in memory). A
-    broadcast otherwise: for CUDA tensors, and for network files read in place, whose
-    pages another process's mapping would read again from the network. Ranks may see a
-    local copy change between their looks: :func:`shared_tensors` makes them agree."""
+    best (benchmarks/scale_bench.py, 3.8 GiB, the last two full runs of 2026-12-04):
+    for CPU tensors, the page cache where the bytes are on a local filesystem, the
+    stream for a one pass from a network mirror. Read in place: 0.42-0.47x safe_open's
+    time per rank at 2 ranks, 0.60-0.67x at 4 (the broadcast 0.90-1.12x and
+    2.09-2.39x). A one pass from the mirror: the stream 0.98x a plain hydrate at 2 and
+    at 4 ranks in both runs, for the least CPU (0.7-1.0 s per GiB of the model at 2
+    ranks; the broadcast 1.7-2.0, the page cache 2.3-2.7); the broadcast 1.01-1.16x at
+    2 ranks and 1.74-1.84x at 4 (each rank receives (N-1)/N of the model through a
+    socket); the page cache 1.05-1.29x (it waits for whole files, and holds the whole
+    copy in memory). A broadcast otherwise: for CUDA tensors, and for network files
+    read in place, whose pages another process's mapping would read again from the
+    network. Ranks may see a local copy change between their looks:
+    :func:`shared_tensors` makes them agree."""
     if settings.rank_sharing != "auto":
         return settings.rank_sharing
     if device != "cpu":
