@@ -135,7 +135,7 @@ def bench_profile(
                 run.retries.append(report["retries"])
                 run.rss.append(rss)
                 low, high = report.get("readers_range") or (report["readers"],) * 2
-                run.workers.append(f"{report['workers']} ({low}-{high})")
+                run.workers.append(f"{report['readers']} ({low}-{high})")
                 print(
                     f"  {name} round {round_ + 1}: {key:14s} {run.mib_per_s[-1]:6.0f} MiB/s, "
                     f"{report['failed']} failed, {report['retries']} retries",
