@@ -38,7 +38,8 @@ def collect_garbage_before_the_clock() -> None:
     allocations of whatever runs next set off a collection of torch's whole heap, which
     stops every thread of the process for 0.15-0.19 s (4 ranks on this machine) inside
     the first tensor, whichever contender runs. The debt is the import's, not a load's;
-    every contender's child calls this, so none pays it."""
+    every contender's child in scale_bench and onepass_bench (the benchmarks that time a
+    first tensor) calls this, so none pays it there."""
     import gc
 
     gc.collect()

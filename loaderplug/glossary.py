@@ -23,7 +23,8 @@ TERMS: dict[str, str] = {
     "once, written to the local copy and handed over as a tensor.",
     "span": "Contiguous bytes of one file that one reader takes at a time; a file at or "
     "over the split threshold is cut into spans of the span size (LOADERPLUG_SPAN_BYTES), "
-    "a smaller one is one span.",
+    "a smaller one is one span (a load's first spans are 4 MiB steps, so its first "
+    "tensors land early).",
     "reader": "A thread of the engine that reads spans with pread; how many read at once "
     "is the concurrency limit (LOADERPLUG_READERS).",
     "sink": "Where the engine lands a file's bytes: the temp file of a copy, a digest, a "

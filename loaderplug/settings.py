@@ -148,7 +148,8 @@ class Settings:
         "size",
         None,
         "Span size. Unset: bytes in flight / readers, at most 64 MiB, less for small jobs "
-        "(about 8 spans per reader, at least 4 MiB). Set: used as is.",
+        "(about 8 spans per reader, at least 4 MiB). Set: used as is. Either way a load "
+        "reads its first spans (4 MiB per reader) in 4 MiB steps.",
         minimum=4 * KiB,
         maximum=4 * GiB,
     )

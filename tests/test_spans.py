@@ -79,12 +79,18 @@ def test_a_head_in_steps_still_covers_every_byte_once(head: int) -> None:
         ranges = covered(spans, file)
         assert ranges[0][0] == 0 and ranges[-1][1] == size
         assert all(a[1] == b[0] for a, b in itertools.pairwise(ranges))
-    # Every split range that starts within the head's bytes is cut into steps.
+    # Every step span that starts within the head's bytes is one step long at most (the
+    # tail steps of the last range cut are covered by the first test).
     read = 0
     for span in spans:
         if read < head and sizes[span.file] >= 4096:
             assert span.length <= 1024
         read += span.length
+
+
+def test_a_step_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="step must be positive"):
+        head_in_steps(file_major, 4096, 0)
 
 
 def test_plan_is_lazy() -> None:

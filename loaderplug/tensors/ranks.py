@@ -623,7 +623,7 @@ class LandedBatches(Iterator["collections.deque[TensorReady] | Idle"]):
             elif isinstance(event, TensorReady):
                 batch.append(event)
             else:
-                break  # the end (the next call says so)
+                break  # the end (the next call says so); an Idle cannot wait here
         return batch
 
 
