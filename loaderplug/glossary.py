@@ -47,6 +47,7 @@ LAYERS = (
     "vocabulary",
     "storage",
     "engine",
+    "devices",
     "plugins",
     "jobs",
     "tensors",

@@ -130,6 +130,7 @@ def _load_slowly(paths: list[Path], budget: str) -> tuple[int, int]:
     from loaderplug.jobs.runner import Runner
     from loaderplug.settings import from_env
     from loaderplug.tensors.delivery import TensorDelivery, TensorsOf
+    from loaderplug.tensors.device_path import DevicePath
     from loaderplug.tensors.load_plan import load_plan
 
     if filesystem_type(paths[0].parent) in MEMORY_TYPES:
@@ -139,7 +140,7 @@ def _load_slowly(paths: list[Path], budget: str) -> tuple[int, int]:
     settings = from_env(
         bytes_in_flight=budget, span_bytes="4M", readers=8, direct_io="off", progress=False
     )
-    plan = load_plan(paths, "cpu", settings)
+    plan = load_plan(paths, DevicePath("cpu", None), settings)
     assert isinstance(plan.delivery, TensorDelivery)
     count = 0
     for _name, tensor in TensorsOf(Runner(plan, settings).run()):

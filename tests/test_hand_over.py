@@ -106,6 +106,7 @@ def test_through_the_page_cache_each_tensor_is_a_mapping_of_the_file(
     from loaderplug.jobs.runner import Runner
     from loaderplug.settings import from_env
     from loaderplug.tensors.delivery import TensorsOf
+    from loaderplug.tensors.device_path import DevicePath
     from loaderplug.tensors.load_plan import load_plan
 
     for path in model:  # cold, so the bytes come through the engine's reads
@@ -115,7 +116,7 @@ def test_through_the_page_cache_each_tensor_is_a_mapping_of_the_file(
         os.close(fd)
     local = tmp_path / "local" if one_pass else None
     settings = from_env(direct_io="off", bytes_in_flight="16M", progress=False)
-    plan = load_plan(model, "cpu", settings, local, through_page_cache=True)
+    plan = load_plan(model, DevicePath("cpu", None), settings, local, through_page_cache=True)
     runner = Runner(plan, settings)
     held = dict(TensorsOf(runner.run()))  # the budget (16 MiB) is less than the model
     maps = mapped_files()

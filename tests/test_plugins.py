@@ -171,6 +171,28 @@ def loaderplug_find_mirror(request):
 """
 
 
+def test_loaderplug_device_backend(shards: list[Path], register_plugin) -> None:
+    """The built-in answers for a CUDA device torch can use (none here); a plugin's
+    backend carries a load to the device it answers for, and a device nothing can
+    serve fails before any read, naming it."""
+    import torch
+
+    from loaderplug.errors import LoaderplugError
+    from loaderplug.testing.fake_device import FakeDevice, FakeDevicePlugin
+
+    settings = from_env({})
+    assert Plugins(settings).device_backend("cpu") is None
+    if not torch.cuda.is_available():
+        assert Plugins(settings).device_backend("cuda:0") is None
+        with pytest.raises(LoaderplugError, match="cannot load tensors to device 'cuda:0'"):
+            next(iter_tensors(shards, "cuda:0"))
+    fake = FakeDevice()
+    register_plugin(FakeDevicePlugin(fake))
+    assert Plugins(settings).device_backend("cuda:0") is fake
+    names = [name for name, _ in iter_tensors(shards, "cuda:0", progress=False)]
+    assert len(names) == 21 and fake.record_of.copies > 0
+
+
 def test_entry_point_plugins_load_and_can_be_disabled(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

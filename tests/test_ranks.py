@@ -287,6 +287,23 @@ def test_ranks_mapping_each_others_files_hand_over_tensors_on_the_loads_device(
         assert out["sharing"] == sharing
 
 
+@pytest.mark.parametrize("sharing", ["broadcast", "pagecache", "stream"])
+def test_ranks_loading_to_a_device_with_a_backend_get_every_tensor_whole(
+    tmp_path: Path, model8: list[Path], sharing: str
+) -> None:
+    """Ranks loading to "cuda" through a device backend (the stand-in of
+    loaderplug.testing.fake_device, whose memory is the host's, so the bytes can be
+    compared): each reads its own files into pinned buffers and every rank gets every
+    tensor, whatever the sharing mode. A broadcast moves device tensors only: no host
+    copy; the modes that map another rank's file copy its pages to the device."""
+    env = {"LOADERPLUG_RANK_SHARING": sharing, "RANK_DEVICE": "cuda", "RANK_FAKE_DEVICE": "1"}
+    outs, _ = run_ranks(tmp_path, model8, 2, env)
+    for out in outs:
+        assert out.get("error") is None and out["tensors"] == expected(model8), out
+        assert out["sharing"] == sharing and out["device_copied_bytes"] > 0
+        assert (out["host_copied_bytes"] == 0) == (sharing == "broadcast"), out
+
+
 def test_a_stream_rank_that_cannot_map_a_file_fails_the_load_on_every_rank(
     tmp_path: Path, model8: list[Path]
 ) -> None:

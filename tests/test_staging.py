@@ -1,201 +1,201 @@
-"""Device staging, driven by a backend whose copies run late on a thread of their own.
+"""Loads to a device through pinned buffers, on a stand-in device whose copies run late.
 
-If the pool handed a pinned buffer out again before its copies had run, a later range
-would overwrite bytes still waiting to be copied, and the tensors would come out wrong.
+The stand-in (:mod:`loaderplug.testing.fake_device`) is registered for CUDA devices, so
+``iter_tensors(paths, "cuda")`` takes the path it takes on a GPU. Its copies run on
+threads of their own, each after a pause: a pinned buffer lent to another read before
+its copy ran would be overwritten under it, and the stand-in records that (and a
+buffer unpinned with a copy queued) as a misuse, besides the tensor coming out wrong.
 """
 
 from __future__ import annotations
 
-import queue
+import errno
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from loaderplug.tensors import staging
-from loaderplug.tensors.staging import StagingPool
+from loaderplug.devices.pinned import TAIL_ROOM, PinnedPool, pool_of
+from loaderplug.errors import TransferFailed
+from loaderplug.testing.fake_device import FakeDevice, FakeDevicePlugin, FakeEvent
 
 torch = pytest.importorskip("torch")
 safetensors_torch = pytest.importorskip("safetensors.torch")
+from loaderplug.tensors.header_reads import read_header_of  # noqa: E402
 from loaderplug.tensors.reader import iter_tensors  # noqa: E402
 from tests.helpers.tensors import STREAMED, reference, same  # noqa: E402
 
-
-class LateEvent:
-    def __init__(self) -> None:
-        self._done = threading.Event()
-
-    def query(self) -> bool:
-        return self._done.is_set()
-
-    def synchronize(self) -> None:
-        self._done.wait()
-
-
-class LateBackend:
-    """Copies run in order on one thread, each after a pause: a side stream, slowed."""
-
-    def __init__(self) -> None:
-        self.work: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self.pinned_made = 0
-        self.copies = 0
-        threading.Thread(target=self._stream, daemon=True).start()
-
-    def _stream(self) -> None:
-        while True:
-            item = self.work.get()
-            if isinstance(item, LateEvent):
-                item._done.set()
-                continue
-            dst, src = item
-            time.sleep(0.0005)
-            dst.copy_(src)
-
-    def empty(self, nbytes: int) -> torch.Tensor:
-        return torch.full((nbytes,), 0xAB, dtype=torch.uint8)
-
-    def pinned(self, nbytes: int) -> torch.Tensor:
-        self.pinned_made += 1
-        return torch.empty(nbytes, dtype=torch.uint8)
-
-    def copy_async(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        self.copies += 1
-        self.work.put((dst, src))
-
-    def record(self) -> LateEvent:
-        event = LateEvent()
-        self.work.put(event)
-        return event
+# 4 KiB spans through 16 KiB of pinned memory: each buffer is lent many times over.
+SMALL = {**STREAMED, "bytes_in_flight": "16K"}
 
 
 @pytest.fixture
-def late(monkeypatch: pytest.MonkeyPatch) -> LateBackend:
-    backend = LateBackend()
-    monkeypatch.setattr(
-        "loaderplug.tensors.delivery.backend_for", lambda d: backend if d == "late" else None
-    )
-    # Two 4 KiB staging buffers for the whole job: each is reused many times over.
-    monkeypatch.setattr(staging, "STAGING_BUFFER_BYTES", 4096)
-    return backend
+def device(register_plugin: Any) -> FakeDevice:
+    fake = FakeDevice()
+    register_plugin(FakeDevicePlugin(fake))
+    return fake
 
 
-def test_tensors_reach_the_device_whole_through_reused_staging_buffers(
-    shards: list[Path], late: LateBackend
-) -> None:
-    got = dict(iter_tensors(shards, "late", **{**STREAMED, "bytes_in_flight": "8K"}))
+def data_bytes(paths: list[Path]) -> int:
+    return sum(h.size - h.data_start for h in map(read_header_of, paths))
+
+
+def test_a_cuda_load_makes_no_host_copies(shards: list[Path], device: FakeDevice) -> None:
+    load = iter_tensors(shards, "cuda", **SMALL)
+    got = dict(load)
     expected = reference(shards)
     assert sorted(got) == sorted(expected)
     assert all(same(got[n], t) for n, t in expected.items())
-    assert late.pinned_made == 2  # the pool never grew past bytes in flight
-    assert late.copies > 50
+    assert load.host_copied_bytes == 0
+    assert load.device_copied_bytes == data_bytes(shards) == device.record_of.copied_bytes
+    assert device.record_of.misuses == []
 
 
-def test_a_write_larger_than_a_staging_buffer_is_staged_in_pieces(
-    shards: list[Path], late: LateBackend
+def test_a_files_tensors_are_views_of_one_device_allocation(
+    shards: list[Path], device: FakeDevice
 ) -> None:
-    # 64 KiB ranges through 4 KiB staging buffers.
-    settings = {**STREAMED, "span_bytes": "64K", "bytes_in_flight": "128K"}
-    got = dict(iter_tensors(shards, "late", **settings))
+    """A range is one copy however many tensors it holds: the file's data area is one
+    allocation, and its tensors are views of it."""
+    got = dict(iter_tensors(shards, "cuda", **SMALL))
+    sizes = sorted(n for n in device.record_of.allocations if n)
+    assert sizes == sorted(h.size - h.data_start for h in map(read_header_of, shards))
+    storages = {t.untyped_storage().data_ptr() for t in got.values() if t.numel()}
+    assert len(storages) == len(shards)
+
+
+def test_pinned_buffers_are_made_once_and_reused_across_loads(
+    shards: list[Path], device: FakeDevice
+) -> None:
+    dict(iter_tensors(shards, "cuda", **SMALL))
+    made = len(device.record_of.pinned)
+    assert 1 <= made <= 4  # 16 KiB of 4 KiB buffers
+    again = dict(iter_tensors(shards, "cuda", **SMALL))
+    assert len(device.record_of.pinned) == made and device.record_of.unpinned == 0
+    assert all(same(again[n], t) for n, t in reference(shards).items())
+
+
+def test_a_buffer_is_lent_again_only_after_its_copy_completed(
+    shards: list[Path], register_plugin: Any
+) -> None:
+    """Copies slower than reads, two buffers: every buffer is lent again while readers
+    wait for it, and never before its copies ran."""
+    slow = FakeDevice(delay_s=0.003)
+    register_plugin(FakeDevicePlugin(slow))
+    got = dict(iter_tensors(shards, "cuda", **{**STREAMED, "bytes_in_flight": "8K"}))
     assert all(same(got[n], t) for n, t in reference(shards).items())
-    assert late.pinned_made <= 32
+    assert len(slow.record_of.pinned) <= 2 < slow.record_of.copies
+    assert slow.record_of.misuses == []
 
 
-def test_the_pool_waits_for_a_buffers_event_before_handing_it_out() -> None:
-    backend = LateBackend()
-    pool = StagingPool(backend, 16, 1)
-    first = pool.take()
-    blocker = LateEvent()
+def test_the_pool_lends_a_buffer_only_once_its_event_completed() -> None:
+    pool = PinnedPool(FakeDevice())
+    never = threading.Event()
+    first = pool.take(4096, 4096, never)
+    blocker = FakeEvent()
     pool.give(first, blocker)
-    taken: list[torch.Tensor] = []
-    taker = threading.Thread(target=lambda: taken.append(pool.take()))
+    taken: list[Any] = []
+    taker = threading.Thread(target=lambda: taken.append(pool.take(4096, 4096, never)))
     taker.start()
     taker.join(0.2)
-    assert taker.is_alive() and not taken, "a buffer was reused before its copy completed"
+    assert taker.is_alive() and not taken, "a buffer was lent before its copy completed"
     blocker._done.set()
     taker.join(5)
-    assert taken and taken[0] is first
-    assert backend.pinned_made == 1
+    assert taken and taken[0] is first and pool.made == 1
 
 
-class StreamEvent:
-    """An event on :class:`InOrderBackend`'s queue: waiting runs the queue up to it."""
-
-    def __init__(self, backend: InOrderBackend) -> None:
-        self.backend = backend
-
-    def query(self) -> bool:
-        return self not in self.backend.queue
-
-    def synchronize(self) -> None:
-        with self.backend.lock:
-            while self in self.backend.queue:
-                item = self.backend.queue.pop(0)
-                if not isinstance(item, StreamEvent):
-                    item[0].copy_(item[1])
+def test_the_pool_makes_room_for_a_larger_buffer_by_unpinning_free_ones() -> None:
+    fake = FakeDevice()
+    pool = PinnedPool(fake)
+    never = threading.Event()
+    small = [pool.take(64 * 1024, 128 * 1024, never) for _ in range(2)]
+    for buffer in small:
+        pool.give(buffer)
+    # 192 KiB counts as 128 KiB against the budget (its tail room is not in flight).
+    big = pool.take(192 * 1024, 128 * 1024, never)
+    assert big.capacity == 192 * 1024 and fake.record_of.unpinned == 2
+    assert pool.pinned_bytes == 192 * 1024
 
 
-class InOrderBackend:
-    """A stream that runs nothing until an event is waited on; the thread named "B" is
-    paused right after it records an event, until ``a_done`` is set."""
+def test_a_reader_waiting_for_a_buffer_stops_when_cancelled() -> None:
+    from loaderplug.engine.retry import Cancelled
 
-    def __init__(self) -> None:
-        self.queue: list[Any] = []
-        self.lock = threading.RLock()
-        self.a_done = threading.Event()
-        self.b_recorded = threading.Event()
-
-    def empty(self, nbytes: int) -> torch.Tensor:
-        return torch.zeros(nbytes, dtype=torch.uint8)
-
-    def pinned(self, nbytes: int) -> torch.Tensor:
-        return torch.empty(nbytes, dtype=torch.uint8)
-
-    def copy_async(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        with self.lock:
-            self.queue.append((dst, src.clone()))  # the staged bytes as they are now
-
-    def record(self) -> StreamEvent:
-        event = StreamEvent(self)
-        with self.lock:
-            self.queue.append(event)
-        if threading.current_thread().name == "B" and not self.b_recorded.is_set():
-            self.b_recorded.set()
-            self.a_done.wait(5)
-        return event
+    pool = PinnedPool(FakeDevice())
+    cancel = threading.Event()
+    pool.take(4096, 4096, cancel)  # the only buffer the budget allows, never given back
+    threading.Timer(0.1, cancel.set).start()
+    with pytest.raises(Cancelled):
+        pool.take(4096, 4096, cancel)
 
 
-def test_a_tensor_finished_by_one_writer_waits_for_another_writers_copies() -> None:
-    from loaderplug.tensors.header import Header, TensorInfo
-    from loaderplug.tensors.sinks import DeviceTensorSink
-
-    tensor = TensorInfo("w", "U8", (8,), 8, 16)
-    header = Header("f", 16, 8, (tensor,), {})
-    backend = InOrderBackend()
-    got: dict[str, list[int]] = {}
-    sink = DeviceTensorSink(
-        header, StagingPool(backend, 4, 4), lambda n, t: got.setdefault(n, t.tolist())
-    )
-    sink.prepare()
-    data = memoryview(bytes(range(16)))
-    # B queues the tail and is paused; A queues the head; B then finishes the tensor.
-    b = threading.Thread(target=lambda: sink.write(data[12:16], 12), name="B")
-    b.start()
-    assert backend.b_recorded.wait(5)
-    sink.write(data[8:12], 8)
-    backend.a_done.set()
-    b.join(5)
-    assert got == {"w": list(range(8, 16))}
+def test_every_buffer_comes_back_when_a_load_fails_half_way(
+    shards: list[Path], device: FakeDevice, inject: Any
+) -> None:
+    inject(errno.EACCES, "model-1", at_offset=8192)
+    load = iter_tensors(shards, "cuda", **SMALL)
+    with pytest.raises(TransferFailed, match="model-1"):
+        dict(load)
+    assert pool_of(device).lent == 0
+    assert device.record_of.misuses == []
 
 
-@pytest.mark.parametrize("source", ["writable", "read-only", "empty"])
-def test_staging_fills_the_start_of_a_buffer_with_the_bytes_given(source: str) -> None:
-    from loaderplug.tensors.staging import fill
+def test_every_buffer_comes_back_when_the_consumer_stops_early(
+    shards: list[Path], device: FakeDevice
+) -> None:
+    load = iter_tensors(shards, "cuda", **SMALL)
+    next(load)
+    load.close()
+    assert pool_of(device).lent == 0
+    assert device.record_of.misuses == []
 
-    payload = bytes(range(256)) * 64 if source != "empty" else b""
-    data = memoryview(bytearray(payload) if source == "writable" else payload)
-    buffer = torch.full((len(payload) + 100,), 0xAB, dtype=torch.uint8)
-    fill(buffer, data)
-    assert bytes(buffer[: len(payload)].numpy()) == payload
-    assert buffer[len(payload) :].eq(0xAB).all()  # nothing past the data touched
+
+def test_pinned_memory_stays_within_the_budget(tmp_path: Path, device: FakeDevice) -> None:
+    from safetensors.torch import save_file
+
+    paths = []
+    for shard in range(6):
+        path = tmp_path / f"big-{shard}.safetensors"
+        save_file({f"b{shard}.{i}": torch.randn(64, 1024) for i in range(4)}, str(path))
+        paths.append(path)
+    budget = 256 * 1024
+    settings = {**STREAMED, "span_bytes": "64K", "bytes_in_flight": budget}
+    got = dict(iter_tensors(paths, "cuda", **settings))
+    assert all(same(got[n], t) for n, t in reference(paths).items())
+    buffers = len(device.record_of.pinned)
+    assert pool_of(device).peak_bytes <= budget + buffers * TAIL_ROOM
+    assert buffers <= budget // (64 * 1024) + 1  # the file tails' shorter reads reuse them
+
+
+def test_a_one_pass_to_the_device_writes_the_copy_from_the_same_pinned_buffers(
+    shards: list[Path], tmp_path: Path, device: FakeDevice
+) -> None:
+    local = tmp_path / "local"
+    load = iter_tensors(shards, "cuda", local_dir=local, **SMALL)
+    got = dict(load)
+    assert all(same(got[n], t) for n, t in reference(shards).items())
+    for f in shards:
+        assert (local / f.name).read_bytes() == f.read_bytes()
+    assert load.host_copied_bytes == 0 and device.record_of.misuses == []
+    assert load.report is not None
+    assert {r.status for r in load.report.results} == {"restored"}
+
+
+def test_a_tensor_whose_offset_does_not_suit_its_dtype_gets_memory_of_its_own(
+    tmp_path: Path, device: FakeDevice
+) -> None:
+    """safetensors does not require aligned offsets: a float32 three bytes into the
+    data area cannot be a view of the file's allocation."""
+    import json
+    import struct
+
+    values = torch.arange(4, dtype=torch.float32)
+    header = {
+        "odd": {"dtype": "U8", "shape": [3], "data_offsets": [0, 3]},
+        "w": {"dtype": "F32", "shape": [4], "data_offsets": [3, 19]},
+    }
+    raw = json.dumps(header).encode()
+    path = tmp_path / "odd.safetensors"
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + b"\x01\x02\x03" + values.numpy().tobytes())
+    got = dict(iter_tensors([path], "cuda", **SMALL))
+    assert same(got["w"], values)
+    assert got["odd"].tolist() == [1, 2, 3]

@@ -143,7 +143,23 @@ class SpanReader:
         step to the writers as soon as it is read, so a tensor is complete as soon as its
         own bytes are, not when the whole range is. A retry resumes at the failed step."""
         size = padded(task, length) if offset + length >= task.size else length
-        target = placer.place(offset, size)
+        target = placer.place(offset, size, self.context.cancel)
+        try:
+            self._read_into_place(task, span, offset, length, target, progress, slot)
+        finally:
+            del target  # the sink may reuse the memory once we are done with it
+            placer.placed_read_done(offset)
+
+    def _read_into_place(
+        self,
+        task: FileTask,
+        span: Span,
+        offset: int,
+        length: int,
+        target: memoryview,
+        progress: SpanProgress,
+        slot: Slot,
+    ) -> None:
         done = 0
 
         def step_read(n: int) -> None:

@@ -33,9 +33,18 @@ class Sink(Protocol):
 class PlacingSink(Sink, Protocol):
     """A sink with memory of its own: the engine reads ranges straight into it."""
 
-    def place(self, offset: int, length: int) -> memoryview:
+    def place(self, offset: int, length: int, cancel: threading.Event) -> memoryview:
         """Writable, page-aligned-at-aligned-offsets memory for ``[offset, offset+length)``;
-        a later ``write`` of that very memory only records that it landed."""
+        a later ``write`` of that very memory only records that it landed. May wait for
+        memory to come free (raising :class:`~loaderplug.engine.retry.Cancelled` once
+        ``cancel`` is set, or once the sink was aborted)."""
+        ...
+
+    def placed_read_done(self, offset: int) -> None:
+        """The reader of the memory placed at ``offset`` is done with it: every step read
+        was handed to the writers, or the read was given up. The sink may reuse memory
+        once its reader is done and what was read of it has been written (or the sink
+        aborted): never while a ``pread`` may still be filling it."""
         ...
 
 

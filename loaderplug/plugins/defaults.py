@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from loaderplug.devices.backend import DeviceBackend
+from loaderplug.devices.cuda import cuda_backend
 from loaderplug.plugins.hookspecs import hookimpl
 from loaderplug.settings import Settings
 from loaderplug.storage.io_policy import decide
@@ -31,3 +33,8 @@ def loaderplug_io_policy(path: str, mode: DirectIO, settings: Settings) -> IOPol
 @hookimpl(trylast=True)
 def loaderplug_open_source(path: str, policy: IOPolicy) -> Source:
     return PosixSource(path, policy)
+
+
+@hookimpl(trylast=True)
+def loaderplug_device_backend(device: str) -> DeviceBackend | None:
+    return cuda_backend(device)

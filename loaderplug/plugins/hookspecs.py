@@ -21,6 +21,7 @@ import pluggy
 from loaderplug.types import DirectIO, FileResult, IOPolicy, MirrorRequest, Source
 
 if TYPE_CHECKING:
+    from loaderplug.devices.backend import DeviceBackend
     from loaderplug.report import TransferReport
     from loaderplug.settings import Settings
 
@@ -64,6 +65,19 @@ def loaderplug_open_source(path: str, policy: IOPolicy, settings: Settings) -> S
     once more before a file is published, to check that it held still. A plugin can
     serve another backend (S3, a cache) or wrap the built-in source to observe or
     inject faults.
+    """
+
+
+@hookspec(firstresult=True)
+def loaderplug_device_backend(device: str, settings: Settings) -> DeviceBackend | None:
+    """The backend that moves a load's tensors to ``device`` ("cuda:0"), or ``None``
+    where tensors are assembled in host memory (and moved with ``.to(device)`` if the
+    device is not the CPU).
+
+    Asked once per load. The built-in answer is a CUDA backend (pinned buffers the
+    engine reads into, copies on side streams) for a CUDA device torch can use; a
+    plugin can serve another accelerator, or a stand-in for tests (see
+    :class:`loaderplug.devices.backend.DeviceBackend`).
     """
 
 

@@ -31,6 +31,7 @@ from loaderplug.plugins.hookspecs import PROJECT
 from loaderplug.types import FileResult, IOPolicy, MirrorRequest, Source
 
 if TYPE_CHECKING:
+    from loaderplug.devices.backend import DeviceBackend
     from loaderplug.report import TransferReport
     from loaderplug.settings import Settings
 
@@ -197,6 +198,13 @@ class Plugins:
     def open_source(self, path: str, policy: IOPolicy) -> Source:
         source: Source = self._first("loaderplug_open_source", path=path, policy=policy)
         return source
+
+    def device_backend(self, device: str) -> DeviceBackend | None:
+        """What moves tensors to ``device``, or None: assembled on the host."""
+        backend: DeviceBackend | None = self._caller("loaderplug_device_backend")(
+            device=device, settings=self.settings
+        )
+        return backend
 
     # -- observe ------------------------------------------------------------------
 

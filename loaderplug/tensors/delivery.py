@@ -36,15 +36,11 @@ from loaderplug.settings import Settings
 from loaderplug.storage.mounts import MEMORY_TYPES, is_network_type
 from loaderplug.storage.residency import WARM_FRACTION, cached_fraction
 from loaderplug.tensors.budget import MemoryBudget
+from loaderplug.tensors.device_path import DevicePath
+from loaderplug.tensors.device_sink import DeviceTensorSink
 from loaderplug.tensors.header import Header
 from loaderplug.tensors.header_reads import read_header
-from loaderplug.tensors.sinks import (
-    DeviceTensorSink,
-    MappedTensors,
-    PageCacheTensorSink,
-    TensorSink,
-)
-from loaderplug.tensors.staging import StagingPool, backend_for, pool_for
+from loaderplug.tensors.sinks import MappedTensors, PageCacheTensorSink, TensorSink
 from loaderplug.types import FileResult, IOPolicy
 
 
@@ -82,7 +78,7 @@ class TensorDelivery:
 
     def __init__(
         self,
-        device: str,
+        device: DevicePath,
         settings: Settings,
         *,
         may_map: bool = True,
@@ -91,13 +87,11 @@ class TensorDelivery:
         self.device = device
         self.retry = RetryPolicy.of(settings)
         self.retries = 0
-        # Host memory for tensors being assembled or not yet taken by the consumer.
+        # Host memory for tensors being assembled or not yet taken by the consumer; a
+        # load with a device backend holds pinned buffers instead, as many bytes at most.
         self.budget = MemoryBudget(settings.bytes_in_flight)
-        backend = backend_for(device)
-        self.pool: StagingPool | None = (
-            pool_for(backend, settings.bytes_in_flight) if backend is not None else None
-        )
-        self.may_map = may_map and device == "cpu"
+        self.staged = device.backend is not None
+        self.may_map = may_map and device.on_host
         # Ranks sharing a host's page cache: files are read into it (or, in a one pass,
         # written to the copy through it) and handed over as mappings of it (see
         # PageCacheTensorSink), outside the budget.
@@ -131,8 +125,8 @@ class TensorDelivery:
         def emit(name: str, tensor: Any) -> None:
             self.ready.put(TensorReady(rel, name, tensor))
 
-        if self.pool is not None:
-            return DeviceTensorSink(header, self.pool, emit)
+        if self.staged:
+            return DeviceTensorSink(header, self.device, emit, self.budget.limit)
         pages = self._shared_pages(entry, policy)
         if pages is not None:
             self._in_page_cache.add(rel)
@@ -228,7 +222,7 @@ class TensorDelivery:
     def taken(self, event: TensorReady) -> None:
         """The consumer received ``event``'s tensor, one a sink emitted: a tensor
         assembled on the host leaves the budget once its consumer has it."""
-        if self.pool is None and event.rel not in self._in_page_cache:
+        if not self.staged and event.rel not in self._in_page_cache:
             self.budget.release(event.tensor.untyped_storage().nbytes())
 
 

@@ -16,6 +16,7 @@ from loaderplug.errors import TransferFailed
 from loaderplug.jobs.runner import Runner
 from loaderplug.report import TransferReport
 from loaderplug.tensors.delivery import TensorDelivery, TensorReady
+from loaderplug.tensors.device_path import DevicePath
 
 if TYPE_CHECKING:
     import torch
@@ -46,6 +47,18 @@ class Load(Iterator[tuple[str, "torch.Tensor"]]):
         # The memory budget this process loaded within: LOADERPLUG_BYTES_IN_FLIGHT, or
         # its part of it when ranks on the host share the load.
         self.bytes_in_flight: int | None = None
+        # On the way to a device (see loaderplug.tensors.device_path): tensor bytes
+        # copied host to host (none where reads land in pinned memory), bytes copied to
+        # the device, and the most pinned memory the process held.
+        self.host_copied_bytes = 0
+        self.device_copied_bytes = 0
+        self.pinned_peak_bytes = 0
+
+    def record_device(self, path: DevicePath) -> None:
+        """Take the figures of the way to the device from the load's ``path``."""
+        self.host_copied_bytes = path.host_copied_bytes
+        self.device_copied_bytes = path.device_copied_bytes
+        self.pinned_peak_bytes = path.pinned_peak_bytes
 
     def __iter__(self) -> Load:
         return self
@@ -113,5 +126,6 @@ class RunnerPairs(Iterator[tuple[str, Any]]):
         delivery = self.runner.plan.delivery
         if isinstance(delivery, TensorDelivery):
             load.first_tensor_s = delivery.first_tensor_s
+            load.record_device(delivery.device)
         if not report.ok:
             raise TransferFailed(report)

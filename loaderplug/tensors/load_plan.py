@@ -20,11 +20,12 @@ from loaderplug.jobs.plan import FileEntry, Listing, Plan
 from loaderplug.settings import Settings
 from loaderplug.storage.mounts import filesystem_type, is_network_type
 from loaderplug.tensors.delivery import TensorDelivery
+from loaderplug.tensors.device_path import DevicePath
 
 
 def load_plan(
     paths: Sequence[str | os.PathLike[str]],
-    device: str,
+    device: DevicePath,
     settings: Settings,
     local_dir: str | os.PathLike[str] | None = None,
     *,

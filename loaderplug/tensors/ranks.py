@@ -38,8 +38,6 @@ from __future__ import annotations
 
 import collections
 import datetime
-import math
-import mmap
 import os
 import pickle
 import socket
@@ -64,6 +62,7 @@ from loaderplug.tensors.delivery import (
     TensorsOf,
     raise_if_failed,
 )
+from loaderplug.tensors.device_path import DevicePath
 from loaderplug.tensors.header import Header
 from loaderplug.tensors.header_reads import read_header_of
 from loaderplug.tensors.load import Load
@@ -210,7 +209,7 @@ def _copies_from_network(paths: Sequence[Path], local_dir: Path) -> bool:
 
 def shared_tensors(
     paths: Sequence[str | os.PathLike[str]],
-    device: str,
+    device: DevicePath,
     local_dir: str | os.PathLike[str] | None,
     settings: Settings,
     share: Share,
@@ -234,7 +233,7 @@ def shared_tensors(
             raise AssertionError("unreachable: the step raised") from exc
         owner = owners(sizes, share.size)
         mine = [f for f, r in zip(files, owner, strict=True) if r == share.rank]
-        mode = _agreed(steps, sharing_mode(files, device, local, settings))
+        mode = _agreed(steps, sharing_mode(files, device.device, local, settings))
         in_page_cache = mode in ("pagecache", "stream")
         if in_page_cache:
             # Buffered, so what this rank reads (and writes) stays in the page cache for
@@ -282,6 +281,7 @@ def shared_tensors(
         else delivery.first_tensor_s
     )
     load.sharing, load.bytes_in_flight = mode, settings.bytes_in_flight
+    load.record_device(device)
     load.owners = {str(f): share.global_ranks[r] for f, r in zip(files, owner, strict=True)}
 
 
@@ -321,17 +321,18 @@ def _agreed(
     return first[1]  # type: ignore[no-any-return]
 
 
-def _data_group(share: Share, device: str) -> Any:
-    """The group tensors are broadcast over: the share's own (gloo) for CPU tensors, an
-    NCCL group of the same ranks for CUDA ones (from the reader's device copy)."""
-    if not device.startswith("cuda"):
+def _data_group(share: Share, device: DevicePath) -> Any:
+    """The group tensors are broadcast over: the share's own (gloo) for host tensors, a
+    group of the same ranks on the device's collective backend for device ones (NCCL
+    for CUDA, from the reader's device copy)."""
+    if device.collective == "gloo":
         return share.group
     import torch.distributed as dist
 
     return dist.new_group(
         list(share.global_ranks),
         timeout=datetime.timedelta(seconds=share.timeout_s),
-        backend="nccl",
+        backend=device.collective,
         use_local_synchronization=True,
     )
 
@@ -347,7 +348,7 @@ def _size(path: Path) -> int:
 
 
 def _by_page_cache(
-    runner: Runner, steps: _Steps, files: list[Path], final: list[Path], device: str
+    runner: Runner, steps: _Steps, files: list[Path], final: list[Path], device: DevicePath
 ) -> SharedPairs:
     """Own tensors as they complete; at each own file done, a step: the files the other
     ranks finished meanwhile are mapped from the page cache and yielded."""
@@ -360,7 +361,11 @@ def _by_page_cache(
 
 
 def _page_cache_steps(
-    events: Iterator[Any], steps: _Steps, index: dict[str, int], final: list[Path], device: str
+    events: Iterator[Any],
+    steps: _Steps,
+    index: dict[str, int],
+    final: list[Path],
+    device: DevicePath,
 ) -> Iterator[tuple[str, Any]]:
     own = TensorsOf(events, pause_at_files=True)
     while True:
@@ -388,24 +393,21 @@ class _OnDevice(Iterator[tuple[str, Any]]):
     """``pairs`` (mapped CPU tensors) on ``device``. An iterator object: it keeps no
     reference to a tensor it handed over."""
 
-    def __init__(self, pairs: Iterator[tuple[str, Any]], device: str) -> None:
+    def __init__(self, pairs: Iterator[tuple[str, Any]], device: DevicePath) -> None:
         self._pairs, self._device = pairs, device
 
     def __next__(self) -> tuple[str, Any]:
         name, tensor = next(self._pairs)
-        return name, _to(tensor, self._device)
-
-
-def _to(tensor: Any, device: str) -> Any:
-    """A mapped tensor on ``device``: itself on the CPU, else a copy there (each rank
-    copies from the one page cache to its own device)."""
-    return tensor if device == "cpu" else tensor.to(device)
+        # Each rank copies from the one page cache to its own device.
+        return name, self._device.to_device(tensor)
 
 
 # -- broadcast -------------------------------------------------------------------------
 
 
-def _by_broadcast(runner: Runner, steps: _Steps, device: str, data_group: Any) -> SharedPairs:
+def _by_broadcast(
+    runner: Runner, steps: _Steps, device: DevicePath, data_group: Any
+) -> SharedPairs:
     """A step per tensor: each rank offers its next own tensor, and every offered tensor
     is broadcast from its owner to the others over ``data_group``."""
     events = runner.run()
@@ -459,7 +461,7 @@ class _BroadcastStep(Iterator[tuple[str, Any]]):
     then every tensor offered, in rank order, each broadcast from its owner and handed
     over. It lets go of its own tensor as it hands it over."""
 
-    def __init__(self, steps: _Steps, device: str, data_group: Any) -> None:
+    def __init__(self, steps: _Steps, device: DevicePath, data_group: Any) -> None:
         self.steps, self.device, self.data_group = steps, device, data_group
         self.own: tuple[str, Any] | None = None
         self.error: str | None = None  # a broadcast's failure is the collective's own
@@ -490,26 +492,12 @@ class _BroadcastStep(Iterator[tuple[str, Any]]):
                 assert self.own is not None
                 tensor, self.own = self.own[1].contiguous(), None
             else:
-                tensor = _receive_buffer(getattr(torch, dtype_name), shape, self.device)
+                tensor = self.device.receive_buffer(getattr(torch, dtype_name), shape)
             raw = tensor.view(-1).view(torch.uint8) if tensor.numel() else tensor
             if raw.numel():
                 self.steps.broadcast(raw, share.global_ranks[rank], self.data_group)
             return name, tensor
         raise StopIteration
-
-
-def _receive_buffer(dtype: Any, shape: list[int], device: str) -> Any:
-    """Where a broadcast tensor lands: on the host, memory of its own that goes back to
-    the kernel the moment the tensor dies (the allocator's heap would keep it)."""
-    import torch
-
-    if device != "cpu":
-        return torch.empty(shape, dtype=dtype, device=device)
-    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    if nbytes == 0:  # reshaped: torch refuses to make some empty shapes directly
-        return torch.empty(0, dtype=dtype).reshape(shape)
-    memory = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    return torch.frombuffer(memory, dtype=torch.uint8).view(dtype).reshape(shape)
 
 
 # -- stream ----------------------------------------------------------------------------
@@ -530,7 +518,7 @@ def _by_stream(
     files: list[Path],
     local: Path | None,
     delivery: TensorDelivery,
-    device: str,
+    device: DevicePath,
 ) -> SharedPairs:
     """Steps as in a broadcast, but no byte moves between ranks: at each step each rank
     names the tensors of its own that landed since the last (and, with a file's first,
@@ -568,7 +556,7 @@ def _by_stream(
 class _MappedFiles:
     """The other ranks' files as this rank maps them, each on its first tensor."""
 
-    def __init__(self, files: list[Path], local: Path | None, device: str) -> None:
+    def __init__(self, files: list[Path], local: Path | None, device: DevicePath) -> None:
         self.files, self.local, self.device = files, local, device
         self.headers: dict[int, Header] = {}
         self._open: dict[int, MappedFile] = {}
@@ -576,7 +564,7 @@ class _MappedFiles:
     def tensor(self, index: int, name: str) -> Any:
         if index not in self._open:
             self._open[index] = self._map(index)
-        return _to(self._open[index].tensor(name), self.device)
+        return self.device.to_device(self._open[index].tensor(name))
 
     def _map(self, index: int) -> MappedFile:
         """Map where the file's bytes are: in a one pass the copy being written or, once

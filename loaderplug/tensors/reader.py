@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from loaderplug.jobs.runner import Runner
 from loaderplug.settings import Settings, from_env
+from loaderplug.tensors.device_path import device_path_for
 from loaderplug.tensors.load import Load, Pairs, RunnerPairs
 from loaderplug.tensors.load_plan import load_plan
 from loaderplug.tensors.ranks import share_for, shared_tensors
@@ -32,7 +33,7 @@ if TYPE_CHECKING:
 
 def iter_tensors(
     paths: Sequence[str | os.PathLike[str]],
-    device: str = "cpu",
+    device: str | torch.device = "cpu",
     *,
     local_dir: str | os.PathLike[str] | None = None,
     group: Any = None,
@@ -48,8 +49,10 @@ def iter_tensors(
     ``LOADERPLUG_DISTRIBUTED=off`` reads alone), the ranks split the files, each byte
     read once per host, and every rank yields every tensor (see
     :mod:`loaderplug.tensors.ranks`). Nothing is read until the first tensor is asked
-    for. The returned :class:`~loaderplug.tensors.load.Load` carries the job's report,
-    the time to the first tensor and how each file was read once it is exhausted
+    for. To a CUDA ``device`` each range is read into pinned memory and copied to the
+    device from there as it lands (:mod:`loaderplug.tensors.device_sink`). The
+    returned :class:`~loaderplug.tensors.load.Load` carries the job's report, the time
+    to the first tensor and how each file was read once it is exhausted
     (``stats``, a dict it fills, is the deprecated way to get them).
     """
     job_settings = (settings or from_env()).replace(**overrides)
@@ -62,16 +65,19 @@ def iter_tensors(
         )
 
     def start(load: Load) -> Pairs:
+        path = device_path_for(device, job_settings)  # the one place the device is decided
         share = share_for(group, job_settings)
         if share is not None:
-            return shared_tensors(paths, device, local_dir, job_settings, share, load)
+            return shared_tensors(paths, path, local_dir, job_settings, share, load)
         return RunnerPairs(
-            Runner(load_plan(paths, device, job_settings, local_dir), job_settings), load
+            Runner(load_plan(paths, path, job_settings, local_dir), job_settings), load
         )
 
     return Load(start, stats)
 
 
-def load_file(path: str | os.PathLike[str], device: str = "cpu") -> dict[str, torch.Tensor]:
+def load_file(
+    path: str | os.PathLike[str], device: str | torch.device = "cpu"
+) -> dict[str, torch.Tensor]:
     """A drop-in for ``safetensors.torch.load_file``: every tensor, owned, on ``device``."""
     return dict(iter_tensors([path], device))

@@ -1,8 +1,8 @@
 """Tensor sinks: a file's landed ranges become tensors, each handed over once complete.
 
-:class:`TensorSink` assembles a file's bytes in host memory; :class:`DeviceTensorSink`
-sends each landed range to device memory through pinned staging (see
-:mod:`loaderplug.tensors.staging`); :class:`PageCacheTensorSink` lets the page cache hold
+:class:`TensorSink` assembles a file's bytes in host memory (a load to a device with a
+backend has its own sink, :mod:`loaderplug.tensors.device_sink`);
+:class:`PageCacheTensorSink` lets the page cache hold
 a file's bytes and hands over mappings of them. :class:`MappedTensors` serves a file that
 is in memory already (tmpfs, a warm page cache) over a private mapping, as safetensors
 does.
@@ -25,10 +25,11 @@ from loaderplug.tensors.budget import MemoryBudget
 from loaderplug.tensors.dtypes import DTYPES
 from loaderplug.tensors.header import Header, TensorInfo
 from loaderplug.tensors.page_release import PageReleaser
-from loaderplug.tensors.staging import StagingPool, fill
 
 if TYPE_CHECKING:
     import torch
+
+    from loaderplug.tensors.device_path import DevicePath
 
 
 # Hands a finished tensor on: its name and the tensor.
@@ -79,7 +80,7 @@ def _empty(dtype: torch.dtype, t: TensorInfo) -> torch.Tensor:
     return empty.reshape(t.torch_shape)  # type: ignore[no-any-return]
 
 
-class _Coverage:
+class Coverage:
     """Counts the bytes of each non-empty tensor still to land; thread-safe."""
 
     def __init__(self, header: Header) -> None:
@@ -124,11 +125,11 @@ class _Coverage:
 
 
 class _CoveredSink:
-    """What the tensor sinks that count landed bytes with a :class:`_Coverage` share: a
+    """What the tensor sinks that count landed bytes with a :class:`Coverage` share: a
     commit checks every tensor completed, and either end closes the sink once."""
 
     header: Header
-    _coverage: _Coverage
+    _coverage: Coverage
 
     def commit(self) -> None:
         self._coverage.check_complete(self.header.path)
@@ -158,14 +159,14 @@ class TensorSink(_CoveredSink):
     """
 
     def __init__(
-        self, header: Header, device: str, emit: Emit, budget: MemoryBudget | None = None
+        self, header: Header, path: DevicePath, emit: Emit, budget: MemoryBudget | None = None
     ) -> None:
         self.header = header
-        self.device = device
+        self.path = path
         self.emit = emit
         self.budget = budget
         self._dtypes = torch_dtypes(header)
-        self._coverage = _Coverage(header)
+        self._coverage = Coverage(header)
         self._begins = [t.begin for t in self._coverage.tensors]
         # The bytes of the tensors before each one (and of all, last): what spans hold.
         self._bytes_before = [0, *itertools.accumulate(t.nbytes for t in self._coverage.tensors)]
@@ -217,8 +218,11 @@ class TensorSink(_CoveredSink):
 
     # -- landing ---------------------------------------------------------------------
 
-    def place(self, offset: int, length: int) -> memoryview:
+    def place(self, offset: int, length: int, cancel: threading.Event) -> memoryview:
         return self._view[offset : offset + length]
+
+    def placed_read_done(self, offset: int) -> None:
+        """Nothing to do: the file's memory is its own, never lent to another range."""
 
     def write(self, data: memoryview, offset: int) -> None:
         if data.obj is not self._mapping:  # staged elsewhere: copy it in
@@ -240,8 +244,8 @@ class TensorSink(_CoveredSink):
         handle = self._pages.tensor(t)
         tensor = torch.frombuffer(handle, dtype=torch.uint8).view(dtype).reshape(t.torch_shape)
         del handle  # the tensor's storage holds it now, and lets go when it dies
-        if self.device != "cpu":  # a device without a staging backend
-            tensor = tensor.to(self.device)
+        if not self.path.on_host:  # a device without a backend: moved with .to()
+            tensor = self.path.to_device(tensor)
         self.emit(t.name, tensor)
 
     def _close(self) -> None:
@@ -276,7 +280,7 @@ class PageCacheTensorSink(_CoveredSink):
         self.header = header
         self.emit = emit
         self.path = path  # the file to map: the one read, or the copy being written
-        self._coverage = _Coverage(header)
+        self._coverage = Coverage(header)
         self._file: MappedFile | None = None
         self._lock = threading.Lock()
 
@@ -302,79 +306,6 @@ class PageCacheTensorSink(_CoveredSink):
             file, self._file = self._file, None
         if file is not None:
             file.close()
-
-
-class DeviceTensorSink:
-    """Sends each landed range to device memory through pinned staging (see
-    :mod:`loaderplug.tensors.staging`); emits a tensor once its copies have completed.
-
-    Host memory stays bounded by the staging pool: the file is never assembled on the
-    host. Each tensor gets device memory of its own when the file is prepared.
-    """
-
-    def __init__(self, header: Header, pool: StagingPool, emit: Emit) -> None:
-        self.header = header
-        self.pool = pool
-        self.emit = emit
-        self._dtypes = torch_dtypes(header)
-        self._coverage = _Coverage(header)
-        self._device: dict[str, torch.Tensor] = {}
-        self._lock = threading.Lock()
-        self._aborted = False
-
-    def prepare(self) -> None:
-        for t in self._coverage.tensors:
-            self._device[t.name] = self.pool.backend.empty(t.nbytes)
-        for t in self.header.tensors:
-            if not t.nbytes:
-                self._deliver(t, self.pool.backend.empty(0))
-
-    def write(self, data: memoryview, offset: int) -> None:
-        step = self.pool.size
-        for start in range(0, len(data), step):
-            self._stage(data[start : start + step], offset + start)
-
-    def _stage(self, data: memoryview, offset: int) -> None:
-        end = offset + len(data)
-        buffer = self.pool.take()
-        try:
-            fill(buffer, data)
-            with self._lock:  # abort() may be dropping the device memory
-                if self._aborted:
-                    return
-                for t, begin, stop in self._coverage.pieces(offset, end):
-                    self.pool.backend.copy_async(
-                        self._device[t.name][begin - t.begin : stop - t.begin],
-                        buffer[begin - offset : stop - offset],
-                    )
-        finally:
-            self.pool.give(buffer, self.pool.backend.record())
-        done = self._coverage.landed(offset, end)
-        if not done:
-            return
-        # Other writers may have queued pieces of these tensors after this writer's
-        # event; an event recorded now follows every copy queued before they reported
-        # their pieces landed (one stream runs copies in order).
-        self.pool.backend.record().synchronize()
-        with self._lock:
-            finished = [(t, self._device.pop(t.name, None)) for t in done]
-        for t, raw in finished:
-            if raw is not None:
-                self._deliver(t, raw)
-
-    def _deliver(self, t: TensorInfo, raw: torch.Tensor) -> None:
-        self.emit(t.name, raw.view(self._dtypes[t.name]).reshape(t.torch_shape))
-
-    def commit(self) -> None:
-        self._coverage.check_complete(self.header.path)
-
-    def abort(self) -> None:
-        self._coverage.abort()
-        with self._lock:
-            self._aborted = True
-            # Copies already queued finish before their device memory can be reused.
-            self.pool.backend.record().synchronize()
-            self._device.clear()
 
 
 class MappedFile:

@@ -12,7 +12,8 @@ reads of tensors' bytes, 64 KiB or more, land that long after the first is asked
 headers are read at once), RANK_MAP_FAIL (this rank cannot
 map the other ranks' files: ENOMEM, as when the address space runs out), RANK_DEVICE
 (load to that device: a tensor off the CPU is recorded by its device, not its bytes),
-RANK_GROUP=none (no group
+RANK_FAKE_DEVICE=1 (CUDA devices are the stand-in of loaderplug.testing.fake_device,
+whose memory is the host's: its tensors are recorded by their bytes), RANK_GROUP=none (no group
 passed: the default group is found), and every LOADERPLUG_* setting. Prints {"tensors":
 {name: [dtype, shape, crc32]}, "reads": {file: bytes read through the source hook},
 "read_paths": the same by path, "error": message or null, "seconds": s, "first_tensor_s":
@@ -42,6 +43,7 @@ from loaderplug.errors import LoaderplugError
 from loaderplug.plugins import manager as plugins
 from loaderplug.storage.source import PosixSource
 from loaderplug.tensors.reader import iter_tensors
+from loaderplug.testing.fake_device import FakeDevice, FakeDevicePlugin
 from loaderplug.types import IOPolicy
 
 reads: dict[str, int] = {}  # by file name
@@ -90,6 +92,8 @@ def main() -> int:
         timeout=datetime.timedelta(seconds=60),
     )
     plugins.register(Count())
+    if os.environ.get("RANK_FAKE_DEVICE"):
+        plugins.register(FakeDevicePlugin(FakeDevice()))
     die_after = int(os.environ.get("RANK_DIE_AFTER", "0"))
     die_at = float(os.environ.get("RANK_DIE_AT_S", "0"))
     consumer_sleep = float(os.environ.get("RANK_CONSUMER_SLEEP_S", "0"))
@@ -132,6 +136,8 @@ def main() -> int:
     out["sharing"] = load.sharing
     out["first_tensor_s"] = load.first_tensor_s
     out["bytes_in_flight"] = load.bytes_in_flight
+    out["host_copied_bytes"] = load.host_copied_bytes
+    out["device_copied_bytes"] = load.device_copied_bytes
     out["rss_growth"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base_rss
     print(json.dumps(out))
     return 0
