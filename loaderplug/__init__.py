@@ -34,6 +34,7 @@ from loaderplug.types import (
     MirrorKind,
     MirrorRequest,
     RankSharing,
+    WeightsDevice,
     WeightsReader,
 )
 
@@ -63,6 +64,7 @@ __all__ = [
     "TransferFailed",
     "TransferReport",
     "UpstreamChanged",
+    "WeightsDevice",
     "WeightsError",
     "WeightsReader",
     "find_mirror",

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any, Literal, get_args
 
 from loaderplug.errors import SettingsError
-from loaderplug.types import DirectIO, Distributed, RankSharing, WeightsReader
+from loaderplug.types import DirectIO, Distributed, RankSharing, WeightsDevice, WeightsReader
 from loaderplug.units import GiB, KiB, MiB, format_size, parse_size
 
 # With LOADERPLUG_READERS=auto, readers the budget is split for when the source
@@ -212,6 +212,15 @@ class Settings:
         "What volcache reads weights with: loaderplug (one pass) or fastsafetensors "
         "(hydrate, then fastsafetensors; for hosts with GPUDirect Storage).",
         choices=get_args(WeightsReader),
+    )
+    weights_device: WeightsDevice = _setting(
+        "choice",
+        "auto",
+        "Where volcache hands vLLM its weights: auto (on the model's CUDA device when one "
+        "worker loads the whole model, so each is copied to the GPU once, straight from "
+        "pinned memory; on the CPU under tensor or pipeline parallelism, where each "
+        "worker keeps a slice), cpu, or model (the model's device, always).",
+        choices=get_args(WeightsDevice),
     )
     sync: bool = _setting(
         "bool",

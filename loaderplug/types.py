@@ -22,6 +22,7 @@ from typing import Literal, Protocol
 # their accepted values from these).
 DirectIO = Literal["auto", "on", "off"]
 WeightsReader = Literal["loaderplug", "fastsafetensors"]
+WeightsDevice = Literal["auto", "cpu", "model"]
 Distributed = Literal["auto", "off"]
 RankSharing = Literal["auto", "pagecache", "broadcast", "stream"]
 MirrorKind = Literal["hub", "folder"]

@@ -26,6 +26,7 @@ def test_choice_settings_accept_exactly_their_literal_types() -> None:
     literals = {
         "direct_io": loaderplug.DirectIO,
         "weights_reader": loaderplug.WeightsReader,
+        "weights_device": loaderplug.WeightsDevice,
         "distributed": loaderplug.Distributed,
         "rank_sharing": loaderplug.RankSharing,
     }

@@ -316,3 +316,37 @@ def kill_worker_once_reading(runner_pid: int, local_dir: Path, title: str) -> fl
         except psutil.NoSuchProcess:
             continue
     raise AssertionError(f"no worker process titled {title}")
+
+
+@pytest.mark.parametrize(
+    ("setting", "where", "parallel", "want"),
+    [
+        ("auto", "cuda:1", False, "cuda:1"),  # one worker: straight to the GPU
+        ("auto", "cuda:1", True, "cpu"),  # each worker keeps a slice: on the CPU
+        ("auto", "cpu", False, "cpu"),
+        ("cpu", "cuda:1", False, "cpu"),
+        ("model", "cuda:1", True, "cuda:1"),
+        ("model", "cpu", False, "cpu"),
+    ],
+)
+def test_volcache_hands_weights_over_on_the_device_that_saves_a_copy(
+    setting: str, where: str, parallel: bool, want: str
+) -> None:
+    """The choice itself (a GPU is not at hand here): the parameters' device at one
+    worker, the CPU under parallelism unless LOADERPLUG_WEIGHTS_DEVICE says otherwise."""
+    import torch
+
+    from loaderplug.integrations.vllm import weights_device
+    from loaderplug.settings import from_env
+
+    @dataclass
+    class Parameter:
+        device: torch.device
+
+    class Model:  # what the choice asks of vLLM's model: its parameters' device
+        def parameters(self) -> Iterator[Parameter]:
+            yield Parameter(torch.device(where))
+
+    model = Model()
+    settings = from_env({"LOADERPLUG_WEIGHTS_DEVICE": setting})
+    assert weights_device(model, parallel, settings) == want

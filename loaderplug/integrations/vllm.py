@@ -122,27 +122,52 @@ def _loader_class() -> type:
 
         def download_model(self, model_config: ModelConfig) -> None:
             # Hydrate without loading: drain the stream, keeping nothing.
-            for _ in self._weights(model_config):
+            for _ in self._weights(model_config, seam.world_cpu_group()):
                 pass
 
         def load_weights(self, model: nn.Module, model_config: ModelConfig) -> None:
             started = time.perf_counter()
+            group = seam.world_cpu_group()
+            device = weights_device(model, group is not None, self.settings)
             # vLLM's models define load_weights(weights) -> names loaded (or None).
-            loaded = model.load_weights(self._weights(model_config))  # type: ignore[operator]
+            loaded = model.load_weights(self._weights(model_config, group, device))  # type: ignore[operator]
             log.info("Loading weights took %.2f seconds", time.perf_counter() - started)
             if model_config.quantization is None and loaded is not None:
                 _check_every_parameter_loaded(model, set(loaded))
 
-        def _weights(self, model_config: ModelConfig) -> Any:
+        def _weights(
+            self, model_config: ModelConfig, group: Any = None, device: str = "cpu"
+        ) -> Any:
             weights = volcache.locate_weights(
                 model_config.model, model_config.revision, self.settings
             )
             log.info("loaderplug: %s", volcache.describe(weights))
             # Under tensor or pipeline parallelism every worker loads the whole
             # checkpoint: the workers on a host split the reading and share the tensors.
-            return volcache.stream(weights, self.settings, group=seam.world_cpu_group())
+            return volcache.stream(weights, self.settings, group=group, device=device)
 
     return VolcacheModelLoader
+
+
+def weights_device(model: Any, parallel: bool, settings: Settings) -> str:
+    """Where the weights are handed to vLLM's weight loaders, which copy each into its
+    parameter (``param.data.copy_``, after narrowing it to the worker's slice).
+
+    On a CUDA device a tensor already there costs one copy on the device; a CPU tensor
+    costs a synchronous copy from pageable memory, after loaderplug's own copy into it.
+    So with one worker holding the whole model (``auto``, not ``parallel``) the weights
+    go to the model's CUDA device straight from the pinned buffers they were read
+    into. Under tensor or pipeline parallelism each worker keeps only a slice of most
+    tensors (or of the layers): there they stay on the CPU, as the whole tensor on the
+    GPU would be copied to the device only to be mostly dropped (``model`` forces the
+    device anyway)."""
+    choice = settings.weights_device
+    if choice == "cpu" or (choice == "auto" and parallel):
+        return "cpu"
+    where = next((p.device for p in model.parameters()), None)
+    if where is None or (choice == "auto" and where.type != "cuda"):
+        return "cpu"
+    return str(where)
 
 
 def _check_every_parameter_loaded(model: Any, loaded: set[str]) -> None:

@@ -140,15 +140,19 @@ def locate_weights(model: str, revision: str | None, settings: Settings) -> Mode
 
 
 def stream(
-    weights: ModelWeights, settings: Settings, group: Any = None
+    weights: ModelWeights, settings: Settings, group: Any = None, device: str = "cpu"
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield every weight as ``(name, tensor)``, owned, on the CPU: read in place, or in
-    one pass that hydrates the local copy (current files there are read locally). The
-    ranks of a process ``group`` split the reading (see :mod:`loaderplug.tensors.ranks`)."""
+    """Yield every weight as ``(name, tensor)``, owned, on ``device``: read in place, or
+    in one pass that hydrates the local copy (current files there are read locally).
+    The ranks of a process ``group`` split the reading (see
+    :mod:`loaderplug.tensors.ranks`)."""
     if settings.weights_reader == "fastsafetensors":
-        yield from _through_fastsafetensors(weights, settings)
+        for name, tensor in _through_fastsafetensors(weights, settings):
+            yield name, tensor if device == "cpu" else tensor.to(device)
         return
-    load = iter_tensors(weights.files, local_dir=weights.local_copy, group=group, settings=settings)
+    load = iter_tensors(
+        weights.files, device, local_dir=weights.local_copy, group=group, settings=settings
+    )
     yield from load
     log.info("loaderplug: %s", loaded(load))
 
