@@ -10,16 +10,16 @@
    for the three, and loaderplug's time to first tensor.
 3. The host-to-device ceiling measured in the same run: one pinned-memory copy of the
    model's size, timed with CUDA events.
-4. Ranks (``--ranks``): one process per GPU, in an NCCL group. With one GPU, the staging
+4. Ranks (``--ranks``): one process per GPU, in an NCCL group. With one GPU, the pinned
    path under a group of one (which loads as no group); with two or more, the shared
-   load: each rank reads its share of the files through pinned staging and broadcasts
+   load: each rank reads its share of the files into pinned buffers and broadcasts
    its tensors from its device copy. Every rank checks every tensor against
    safetensors' on its own GPU; the table gives each rank's GB/s (model bytes over the
    time until it held every tensor).
 5. Ranks sharing one host's page cache (``--page-cache-ranks``): two processes in a gloo
    group, both on GPU 0 (so one GPU is enough), with ``LOADERPLUG_RANK_SHARING`` forced
    to ``pagecache`` and then ``stream``: each rank reads half the files through pinned
-   staging and takes the other half from its mapping of the page cache, copied to its
+   buffers and takes the other half from its mapping of the page cache, copied to its
    GPU. Then ``stream`` in a one pass into a local copy (what ``auto`` does for CPU
    tensors from a network mirror): the copy's pages leave the page cache as the ranks
    are done with them, and the copy must come out byte-identical. Each rank checks every
@@ -170,7 +170,7 @@ def ranks_check(
         copy = ", one pass into a local copy" if local else ""
         mode = f"{sharing}{copy}, 2 ranks on GPU 0"
     else:
-        mode = "staging, group of one" if world == 1 else f"NCCL broadcast, {world} ranks"
+        mode = "pinned path, group of one" if world == 1 else f"NCCL broadcast, {world} ranks"
     print(f"\n| rank ({mode}) | shared by | s | GB/s | tensors | equal to safetensors |")
     print("|---|---|---|---|---|---|")
     for row in rows:
