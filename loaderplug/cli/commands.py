@@ -88,6 +88,13 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--seconds", type=float, default=30.0, help="time budget (default 30)")
     bench.add_argument("--max-bytes", default="4G", help="most bytes to read (default 4G)")
     bench.add_argument("--json", action="store_true", help="print the figures as JSON")
+    run = commands.add_parser(
+        "run",
+        help="run a command with the Hub hook on in every Python process it starts",
+        description="Run COMMAND with every Hugging Face Hub download of its Python "
+        "processes served from the mirror (LOADERPLUG_MIRROR), with no change to it.",
+    )
+    run.add_argument("argv", nargs=argparse.REMAINDER, metavar="[--] COMMAND [ARGS...]")
     demo = commands.add_parser(
         "demo", help="hydrate a synthetic model from a throttled test volume"
     )
@@ -201,6 +208,10 @@ def _interrupt_on_sigterm() -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "run":  # before any handler of ours: the program's signals are its own
+        from loaderplug.cli.run import run_command
+
+        return run_command(args.argv)
     _interrupt_on_sigterm()
     try:
         if args.command == "doctor":
