@@ -259,6 +259,16 @@ class Settings:
         "reads everything itself.",
         choices=get_args(Distributed),
     )
+    hub_timeout_s: int = _setting(
+        "int",
+        10,
+        "With the Hub hook on: the most a Hub request for a repo the mirror holds waits for "
+        "a connection or an answer (where the caller set no timeout of its own). A timeout, "
+        "a refused connection, a 5xx or a 429 then has such repos served from the mirror "
+        "for a minute without asking the Hub again: one timeout per process, not per file.",
+        minimum=1,
+        maximum=3600,
+    )
     distributed_timeout_s: int = _setting(
         "int",
         600,

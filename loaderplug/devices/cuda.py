@@ -24,6 +24,8 @@ from loaderplug.errors import LoaderplugError
 # ranges that landed side by side run side by side (fastsafetensors gives each of its
 # slots a stream).
 COPY_STREAMS = 4
+# cudaHostRegisterPortable: the pinned memory counts as pinned in every CUDA context.
+HOST_REGISTER_PORTABLE = 1
 
 
 class CudaBackend:
@@ -45,9 +47,12 @@ class CudaBackend:
     def pin(self, memory: mmap.mmap) -> Any:
         torch = self._torch
         host = torch.frombuffer(memory, dtype=torch.uint8)
-        torch.cuda.check_error(
-            torch.cuda.cudart().cudaHostRegister(host.data_ptr(), len(memory), 0)
-        )
+        # On this device (a reader thread starts on device 0, whose context the call
+        # would otherwise create), and portable: usable from every device's context.
+        with torch.cuda.device(self._device):
+            cudart = torch.cuda.cudart()
+            flags = HOST_REGISTER_PORTABLE
+            torch.cuda.check_error(cudart.cudaHostRegister(host.data_ptr(), len(memory), flags))
         # A copy from memory that is not page-locked is correct but slow, and silent.
         if not host.is_pinned():
             self.unpin(host)
@@ -56,10 +61,22 @@ class CudaBackend:
 
     def unpin(self, host: Any) -> None:
         torch = self._torch
-        torch.cuda.check_error(torch.cuda.cudart().cudaHostUnregister(host.data_ptr()))
+        with torch.cuda.device(self._device):
+            torch.cuda.check_error(torch.cuda.cudart().cudaHostUnregister(host.data_ptr()))
 
     def empty(self, nbytes: int) -> Any:
-        return self._torch.empty(nbytes, dtype=self._torch.uint8, device=self._device)
+        """Device memory from the caching allocator, allocated on the calling thread's
+        stream (the default one). The allocator may hand out a block whose last use,
+        queued on that stream, has not run yet (a consumer's ``param.copy_(tensor)`` of
+        a tensor it then dropped): the copy streams wait for that stream's work so far
+        before they write into it."""
+        torch = self._torch
+        memory = torch.empty(nbytes, dtype=torch.uint8, device=self._device)
+        allocated = torch.cuda.Event()
+        allocated.record(torch.cuda.current_stream(self._device))
+        for stream in self._streams:
+            stream.wait_event(allocated)
+        return memory
 
     def copy_async(self, dst: Any, src: Any, stream: int) -> None:
         # Device memory is allocated on the default stream and written on a side one;
@@ -69,7 +86,9 @@ class CudaBackend:
             dst.copy_(src, non_blocking=True)
 
     def record(self, stream: int) -> CopyEvent:
-        event = self._torch.cuda.Event()  # type: ignore[no-untyped-call]
+        # Blocking: a writer waiting for its copy sleeps rather than spins on a core the
+        # readers need.
+        event = self._torch.cuda.Event(blocking=True)  # type: ignore[no-untyped-call]
         event.record(self._streams[stream])
         return event
 

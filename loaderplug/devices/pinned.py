@@ -8,11 +8,13 @@ more than the copy on a fresh host (8 x 64 MiB took 0.46 s on an H200 VM), so a
 backend's :class:`PinnedPool` lives as long as the process and lends its buffers to
 every file and every load.
 
-The pool holds at most a load's bytes in flight (plus each buffer's tail room for an
-O_DIRECT read past the end of a file, :data:`TAIL_ROOM`): it grows only within that,
-and when a load asks for a size it has no free buffer of, it unpins free buffers that
-do not fit first. A buffer comes back with the event of the last copy that read it and
-is lent again only once that event completed.
+The pool holds at most a load's bytes in flight (a single buffer larger than that is
+made when nothing else is pinned): it grows only within that, and when a load asks for
+a size it has no free buffer of (a file's last range with its tail room for an O_DIRECT
+read past the end, just over the span size), it unpins free buffers that do not fit
+first. A buffer comes back with an event that completes after the last copy
+that reads it (or none, where every copy from it is known to be done), and is lent again,
+or unpinned, only once that event completed.
 """
 
 from __future__ import annotations
@@ -24,15 +26,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from loaderplug.devices.backend import CopyEvent, DeviceBackend
-from loaderplug.engine.reading import READ_PADDING
 from loaderplug.engine.retry import Cancelled
 from loaderplug.storage.source import aligned_buffer
-from loaderplug.units import KiB
 
-# Buffers are made in multiples of this: a range's size, rounded up, with its tail room.
-GRAIN = 64 * KiB
-# Room past a range for an O_DIRECT read padded to the alignment: not bytes in flight.
-TAIL_ROOM = READ_PADDING
+# Buffers are made in whole pages: a range's size, with its tail room, rounded up.
+GRAIN = mmap.PAGESIZE
 # How often a reader waiting for a buffer looks at the cancel flag.
 WAIT_S = 0.05
 
@@ -57,7 +55,6 @@ class PinnedPool:
         self.peak_bytes = 0
         self.made = 0
         self.lent = 0  # buffers lent and not given back
-        self._charged = 0  # pinned_bytes less each buffer's tail room
         self._free: list[tuple[PinnedBuffer, CopyEvent | None]] = []
         self._cond = threading.Condition()
 
@@ -70,10 +67,14 @@ class PinnedPool:
                 lent, evict, make = self._choose(nbytes, capacity, limit, cancel)
             if lent is not None:
                 buffer, event = lent
+                try:
+                    if event is not None:
+                        event.synchronize()  # outside the lock: other readers go on
+                except BaseException:
+                    self.give(buffer, event, lent=False)
+                    raise
                 with self._cond:
                     self.lent += 1
-                if event is not None:
-                    event.synchronize()  # outside the lock: other readers go on
                 return buffer
             if evict is not None:
                 self._unpin(*evict)
@@ -93,8 +94,7 @@ class PinnedPool:
             if fits:
                 best = min(fits, key=lambda i: self._free[i][0].capacity)
                 return self._free.pop(best), None, False
-            charge = _charge(capacity)
-            if self._charged == 0 or self._charged + charge <= limit:
+            if self.pinned_bytes == 0 or self.pinned_bytes + capacity <= limit:
                 self._reserve(capacity)
                 return None, None, True
             if self._free:
@@ -104,44 +104,51 @@ class PinnedPool:
 
     def _reserve(self, capacity: int) -> None:
         self.pinned_bytes += capacity
-        self._charged += _charge(capacity)
         self.peak_bytes = max(self.peak_bytes, self.pinned_bytes)
         self.made += 1
 
+    def _unreserve(self, capacity: int) -> None:
+        with self._cond:
+            self.pinned_bytes -= capacity
+            self._cond.notify_all()
+
     def _pin(self, capacity: int) -> PinnedBuffer:
-        memory = aligned_buffer(capacity)
+        """A new buffer of ``capacity`` (reserved already), lent; nothing held if it fails."""
+        memory = None
         try:
+            memory = aligned_buffer(capacity)
             host = self.backend.pin(memory)
         except BaseException:
-            memory.close()
-            with self._cond:
-                self.pinned_bytes -= capacity
-                self._charged -= _charge(capacity)
-                self._cond.notify_all()
+            if memory is not None:
+                memory.close()
+            self._unreserve(capacity)
             raise
         with self._cond:
             self.lent += 1
         return PinnedBuffer(memory, memoryview(memory), host, capacity)
 
     def _unpin(self, buffer: PinnedBuffer, event: CopyEvent | None) -> None:
-        if event is not None:
-            event.synchronize()
-        self.backend.unpin(buffer.host)
-        buffer.host = None
-        buffer.view.release()
-        # A slice still referenced elsewhere (an exception's frames) keeps the mapping
-        # until it dies; it is unpinned already, and no longer lent.
-        with contextlib.suppress(BufferError):
-            buffer.memory.close()
-        with self._cond:
-            self.pinned_bytes -= buffer.capacity
-            self._charged -= _charge(buffer.capacity)
-            self._cond.notify_all()
+        try:
+            if event is not None:
+                event.synchronize()
+            self.backend.unpin(buffer.host)
+        finally:
+            buffer.host = None
+            buffer.view.release()
+            # A slice still referenced elsewhere (an exception's frames) keeps the
+            # mapping until it dies; it is no longer pinned, nor the pool's.
+            with contextlib.suppress(BufferError):
+                buffer.memory.close()
+            self._unreserve(buffer.capacity)
 
-    def give(self, buffer: PinnedBuffer, event: CopyEvent | None = None) -> None:
-        """``buffer`` back, to be lent again once ``event`` (its last copy's) completed."""
+    def give(
+        self, buffer: PinnedBuffer, event: CopyEvent | None = None, *, lent: bool = True
+    ) -> None:
+        """``buffer`` back, to be lent again once ``event`` completed: one recorded after
+        the last copy from it (None: every copy from it is done)."""
         with self._cond:
-            self.lent -= 1
+            if lent:
+                self.lent -= 1
             self._free.append((buffer, event))
             self._cond.notify_all()
 
@@ -151,11 +158,6 @@ class PinnedPool:
             free, self._free = self._free, []
         for buffer, event in free:
             self._unpin(buffer, event)
-
-
-def _charge(capacity: int) -> int:
-    """What a buffer counts against the bytes in flight: all but its tail room."""
-    return max(capacity - TAIL_ROOM, GRAIN)
 
 
 _pools_lock = threading.Lock()
@@ -170,3 +172,13 @@ def pool_of(backend: DeviceBackend) -> PinnedPool:
             found = (backend, PinnedPool(backend))
             _pools[id(backend)] = found
         return found[1]
+
+
+def release_pinned_memory() -> None:
+    """Unpin every free buffer of every pool: for a process done loading (a server that
+    loaded its model), which need not keep bytes in flight of page-locked memory. A later
+    load pins afresh."""
+    with _pools_lock:
+        pools = [pool for _, pool in _pools.values()]
+    for pool in pools:
+        pool.clear()

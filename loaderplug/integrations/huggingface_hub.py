@@ -64,7 +64,7 @@ from loaderplug.plugins.manager import Plugins
 from loaderplug.settings import Settings, from_env
 from loaderplug.types import MirrorRequest
 
-from . import hub_commits, hub_mirror
+from . import hub_commits, hub_mirror, hub_outage
 from .hub_commits import offline as _offline
 from .hub_commits import revision as _revision
 from .upstream import huggingface_hub as seam
@@ -745,9 +745,12 @@ def install() -> None:
     through loaderplug in every namespace holding an original: the ``huggingface_hub``
     package, its ``_snapshot_download`` and ``file_download`` modules (which ``HfApi``'s
     methods import them from at call time), and modules that imported the names earlier
-    (transformers, vLLM). Idempotent; :func:`uninstall` undoes it."""
+    (transformers, vLLM); and guard huggingface_hub's HTTP client, so a Hub that does not
+    answer costs one timeout (:mod:`.hub_outage`). Idempotent; :func:`uninstall` undoes
+    it."""
     if _installed:
         return
+    _guard_the_client()
     ours = _wrappers()
     for original in ours:
         getattr(huggingface_hub, original.__name__)  # resolve the lazy attributes first
@@ -763,6 +766,35 @@ def install() -> None:
         if getattr(huggingface_hub, original.__name__) is not wrapper:
             setattr(huggingface_hub, original.__name__, wrapper)
             _installed.append((huggingface_hub, original.__name__, original))
+
+
+_factories: list[Callable[[], Any]] = []  # the client factory the guard wraps
+
+
+def _guard_the_client() -> None:
+    """huggingface_hub's shared client from now on: made by the factory in place (its
+    default, or the program's own), its requests for repos the mirror holds guarded."""
+    made_by = seam.client_factory()
+
+    def guarded() -> Any:
+        timeout_s = from_env().hub_timeout_s
+        unreachable = seam.unreachable_errors()[:2]  # the connection's and the timeout's
+        return hub_outage.guard(
+            made_by(), _mirror_holds, timeout_s, seam.offline_mode_error(), unreachable
+        )
+
+    seam.set_client_factory()(guarded)  # the shared client in use so far is closed
+    _factories.append(made_by)
+
+
+def _mirror_holds(repo_type: str, repo_id: str) -> bool:
+    """Whether the mirror holds the repo (some commit of it), so that a Hub out of reach
+    is no reason to wait."""
+    try:
+        mirror = _mirror_for({"repo_id": repo_id, "repo_type": repo_type}, from_env())
+    except Exception:  # a bad setting is said where it matters: at the download
+        return False
+    return mirror is not None and (mirror / "refs").is_dir()
 
 
 def _names_holding_originals(
@@ -782,6 +814,8 @@ def _names_holding_originals(
 
 def uninstall() -> None:
     """Put the originals back wherever :func:`install` replaced them."""
+    while _factories:
+        seam.set_client_factory()(_factories.pop())
     wrappers = set(_wrappers().values())
     while _installed:
         module, name, original = _installed.pop()

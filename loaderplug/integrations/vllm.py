@@ -132,6 +132,10 @@ def _loader_class() -> type:
             # vLLM's models define load_weights(weights) -> names loaded (or None).
             loaded = model.load_weights(self._weights(model_config, group, device))  # type: ignore[operator]
             log.info("Loading weights took %.2f seconds", time.perf_counter() - started)
+            # The server loads once: its pinned read buffers go back to the kernel.
+            from loaderplug.devices.pinned import release_pinned_memory
+
+            release_pinned_memory()
             if model_config.quantization is None and loaded is not None:
                 _check_every_parameter_loaded(model, set(loaded))
 

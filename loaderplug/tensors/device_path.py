@@ -28,7 +28,7 @@ from loaderplug.settings import Settings
 if TYPE_CHECKING:
     import torch
 
-    from loaderplug.devices.backend import DeviceBackend
+    from loaderplug.devices.backend import CopyEvent, DeviceBackend
 
 
 class DevicePath:
@@ -66,9 +66,11 @@ class DevicePath:
         assert self.pool is not None, "a load without a device backend has no pinned pool"
         return self.pool.take(nbytes, limit, cancel)
 
-    def give(self, buffer: PinnedBuffer) -> None:
+    def give(self, buffer: PinnedBuffer, event: CopyEvent | None = None) -> None:
+        """``buffer`` back to the pool, lent again once ``event`` completed (None: every
+        copy from it is done)."""
         assert self.pool is not None
-        self.pool.give(buffer)
+        self.pool.give(buffer, event)
 
     def next_stream(self) -> int:
         """The copy stream of the next buffer: buffers take the streams in turn."""

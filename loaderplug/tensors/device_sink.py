@@ -24,6 +24,7 @@ another file.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -74,6 +75,8 @@ class DeviceTensorSink:
     # -- the engine's reads ---------------------------------------------------------
 
     def place(self, offset: int, length: int, cancel: threading.Event) -> memoryview:
+        """A pinned buffer for the range, from the pool (waiting for one to come back
+        while the pool is at its limit); Cancelled if the file was aborted."""
         with self._lock:
             if self._aborted:
                 raise Cancelled
@@ -95,11 +98,19 @@ class DeviceTensorSink:
             if region is None:
                 return
             region.reading = False
-            done = self._aborted or region.landed == region.expected
+            aborted = self._aborted
+            done = aborted or region.landed == region.expected
             if done:
                 self._regions.remove(region)
         if done:
-            self.path.give(region.buffer)
+            self._give_back(region, aborted)
+
+    def _give_back(self, region: _Region, aborted: bool) -> None:
+        """``region``'s buffer back to the pool. Every byte landed: each copy from it was
+        waited for. Aborted: a copy from it may still be queued (its writer waits for it
+        while abort() waits for all), and no copy is queued after the abort, so an event
+        recorded now on its stream follows every copy from it."""
+        self.path.give(region.buffer, self.backend.record(region.stream) if aborted else None)
 
     # -- the engine's writes --------------------------------------------------------
 
@@ -153,9 +164,11 @@ class DeviceTensorSink:
             self.backend.copy_async(target, host[lo - offset : hi - offset], stream)
             event = self.backend.record(stream)
             self._in_flight.append(event)
-        event.synchronize()
-        with self._lock:
-            self._in_flight.remove(event)
+        try:
+            event.synchronize()
+        finally:
+            with self._lock:
+                self._in_flight.remove(event)
         self.path.count(device=hi - lo)
         return True
 
@@ -184,7 +197,7 @@ class DeviceTensorSink:
             else:
                 done = False
         if done:
-            self.path.give(region.buffer)
+            self._give_back(region, aborted=False)
 
     # -- tensors --------------------------------------------------------------------
 
@@ -216,13 +229,15 @@ class DeviceTensorSink:
         with self._lock:
             self._aborted = True
             in_flight = list(self._in_flight)
-        # Copies queued before the abort finish before their buffers or device memory
-        # can be reused.
-        for event in in_flight:
-            event.synchronize()
-        with self._lock:
             done = [r for r in self._regions if not r.reading]
             self._regions = [r for r in self._regions if r.reading]
-            self._memory = None
+        # Buffers go back fenced by their streams' events (see _give_back); the device
+        # memory only once the copies queued before the abort finished, so that none
+        # writes into memory the allocator has handed to another file meanwhile.
         for region in done:
-            self.path.give(region.buffer)
+            self._give_back(region, aborted=True)
+        for event in in_flight:
+            with contextlib.suppress(Exception):  # a failed copy failed its file already
+                event.synchronize()
+        with self._lock:
+            self._memory = None

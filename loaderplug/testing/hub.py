@@ -213,7 +213,13 @@ class _Handler(BaseHTTPRequestHandler):
     def _serve(self, head: bool) -> None:
         hub = cast(_Server, self.server).hub
         hub._record(self.command, self.path)
+        if hub.failing == "hang":  # accepts, reads the request, never answers
+            hub._released.wait()
+            self.close_connection = True
+            return
         try:
+            if hub.failing in ("500", "503", "429"):
+                raise _HubError(int(hub.failing), "", f"the test Hub answers {hub.failing}")
             status, headers, body = hub._respond(self.path, self.headers.get("Range"))
         except _HubError as e:
             body = json.dumps({"error": e.message}).encode()
@@ -410,6 +416,10 @@ class HubServer(_HubApi):
         self.requests: list[tuple[str, str]] = []  # (method, raw request path with query)
         self.tree_page_size = 1000  # entries per /tree page, as on the Hub
         self.announce_xet = False  # LFS files carry a Xet hash (listings, HEAD answers)
+        # An outage: "hang" (every request accepted and never answered, until stop()),
+        # or a status every request gets ("500", "503", "429"); None: answering.
+        self.failing: str | None = None
+        self._released = threading.Event()  # lets hung requests go at stop()
         self._lock = threading.Lock()
         self._repos: dict[str, _Repo] = {}
         self._commits = 0
@@ -476,6 +486,7 @@ class HubServer(_HubApi):
     def start(self) -> HubServer:
         if self._server is not None:
             return self
+        self._released.clear()
         server = _Server(("127.0.0.1", 0), _Handler)
         server.hub = self
         self._server = server
@@ -487,6 +498,7 @@ class HubServer(_HubApi):
         return self
 
     def stop(self) -> None:
+        self._released.set()
         server, thread = self._server, self._thread
         self._server = self._thread = None
         if server is not None:

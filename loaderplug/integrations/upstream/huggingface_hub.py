@@ -224,6 +224,20 @@ RESOLVED_REVISION = Symbol(
     instance=True,
 )
 
+CLIENT_FACTORY = Symbol(
+    "huggingface_hub.utils._http",
+    "_GLOBAL_CLIENT_FACTORY",
+    "the factory of huggingface_hub's shared HTTP client (the default one, or one the "
+    "program set): the hook wraps its clients so a hung Hub costs one timeout",
+)
+SET_CLIENT_FACTORY = Symbol(
+    "huggingface_hub",
+    "set_client_factory",
+    "the hook's guarded client factory takes the place of the current one, and gives it "
+    "back at uninstall",
+    public=True,
+)
+
 SYMBOLS = (
     SNAPSHOT_DOWNLOAD,
     HF_HUB_DOWNLOAD,
@@ -256,6 +270,8 @@ SYMBOLS = (
     OFFLINE_MODE_IS_ENABLED,
     HF_HUB_HTTP_ERROR,
     REVISION_NOT_FOUND_ERROR,
+    CLIENT_FACTORY,
+    SET_CLIENT_FACTORY,
 )
 UPSTREAM = Upstream("huggingface_hub", OLDEST, NEWEST_CHECKED, SYMBOLS)
 
@@ -357,3 +373,18 @@ def revision_not_found_error() -> type[BaseException]:
 def hub_http_error() -> type[BaseException]:
     """Any error answer of the Hub (a 5xx, a 401, a gated or unknown repo)."""
     return cast("type[BaseException]", UPSTREAM.get(HF_HUB_HTTP_ERROR))
+
+
+def client_factory() -> Callable[[], Any]:
+    """The factory huggingface_hub makes its shared ``httpx2.Client`` with, now."""
+    return cast("Callable[[], Any]", UPSTREAM.get(CLIENT_FACTORY))
+
+
+def set_client_factory() -> Callable[[Callable[[], Any]], None]:
+    """``set_client_factory(factory)``: the next shared client is made by ``factory``."""
+    return cast("Callable[[Callable[[], Any]], None]", UPSTREAM.get(SET_CLIENT_FACTORY))
+
+
+def offline_mode_error() -> type[Exception]:
+    """``OfflineModeIsEnabled``: a request refused as ``HF_HUB_OFFLINE`` refuses it."""
+    return cast("type[Exception]", UPSTREAM.get(OFFLINE_MODE_IS_ENABLED))
