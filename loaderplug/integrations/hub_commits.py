@@ -16,6 +16,10 @@ every later call for that repo and branch uses the pin:
   ``local_files_only``, or an answer that the repo is not there for this token), the
   mirror's ref is used, with one warning saying so; failing that, the call is left to
   huggingface_hub's own cache.
+
+A commit's file listing (what ``trees/<commit>.json`` holds) is asked of the Hub here
+too, once per commit and process (:func:`fetch_listing`), for a mirror or a local cache
+that lacks it.
 """
 
 from __future__ import annotations
@@ -186,3 +190,54 @@ def outage(endpoint: str, exc: BaseException) -> str:
     """Remember that ``endpoint`` is out of reach; the reason, for a message."""
     _outages[endpoint] = time.monotonic()
     return f"the Hub could not be reached ({type(exc).__name__}: {exc})"
+
+
+# -- a commit's file listing ----------------------------------------------------------
+
+_listings: dict[tuple[str, str, str, str], dict[str, dict[str, object]]] = {}
+
+
+def fetch_listing(
+    commit: str, options: dict[str, Any]
+) -> tuple[dict[str, dict[str, object]] | None, str]:
+    """The commit's listing from the Hub, with one ``list_repo_tree`` (one request per
+    1000 files) per commit and process, as huggingface_hub fetches it for
+    ``trees/<commit>.json``: entries and "", or None and why the Hub could not give it
+    (offline, unreachable, an error answer: where stock ``snapshot_download`` would serve
+    its own cache unchecked). A proxy error and an unknown commit are raised."""
+    if options.get("local_files_only"):
+        return None, "local_files_only is set"
+    if constants.HF_HUB_OFFLINE:
+        return None, "HF_HUB_OFFLINE is set"
+    key = RepoRevision.of(options)
+    known = _listings.get((key.endpoint, key.repo_type, key.repo_id, commit))
+    if known is not None:
+        return known, ""
+    down = recent_outage(key.endpoint)
+    if down:
+        return None, down
+    try:
+        files = hub_api(options).list_repo_tree(
+            key.repo_id, recursive=True, revision=commit, repo_type=key.repo_type
+        )
+        listing = {
+            f.path: hub_mirror.listing_entry(
+                size=f.size,
+                blob_id=f.blob_id,
+                lfs_sha256=f.lfs.sha256 if f.lfs is not None else None,
+                lfs_size=f.lfs.size if f.lfs is not None else None,
+                xet_hash=f.xet_hash,
+            )
+            for f in files
+            if isinstance(f, huggingface_hub.RepoFile)
+        }
+    except (seam.proxy_error(), seam.revision_not_found_error()):
+        raise
+    except seam.unreachable_errors() as exc:
+        return None, outage(key.endpoint, exc)
+    except seam.hub_http_error() as exc:
+        if (getattr(getattr(exc, "response", None), "status_code", 0) or 0) >= 500:
+            outage(key.endpoint, exc)
+        return None, f"the Hub did not give the listing ({type(exc).__name__}: {exc})"
+    _listings[(key.endpoint, key.repo_type, key.repo_id, commit)] = listing
+    return listing, ""

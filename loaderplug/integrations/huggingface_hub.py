@@ -64,7 +64,7 @@ from loaderplug.plugins.manager import Plugins
 from loaderplug.settings import Settings, from_env
 from loaderplug.types import MirrorRequest
 
-from . import hub_commits, hub_mirror, hub_outage
+from . import hub_commits, hub_fill, hub_mirror, hub_outage
 from .hub_commits import offline as _offline
 from .hub_commits import revision as _revision
 from .upstream import huggingface_hub as seam
@@ -176,10 +176,12 @@ def try_to_load_from_cache(*args: Any, **kwargs: Any) -> Any:
     hydrated and its path returned (vLLM asks this before it lists a repo's files on the
     Hub, so a worker starts with the Hub down). Nothing is downloaded from the Hub."""
     found = original_try_to_load_from_cache(*args, **kwargs)
-    if found is not None:
-        return found
     asked = _LOOKUP_SIGNATURE.bind(*args, **kwargs)
     asked.apply_defaults()
+    if isinstance(found, str):
+        _offer_to_the_mirror(asked.arguments, Path(found))
+    if found is not None:
+        return found
     # The download that would have put the file in the cache, served by the mirror alone.
     as_download = _DOWNLOAD_SIGNATURE.bind(**asked.arguments)
     as_download.apply_defaults()
@@ -233,6 +235,8 @@ def _download(call: _Call) -> Any:
     result = call.run_original(commit)
     if commit is not None:
         _keep_local_ref(options, commit, fsync=settings.fsync)
+    if settings.sync and _offline(options) and options.get("local_dir") is None:
+        _offer_to_the_mirror(options, None)  # what the local cache answered with
     if settings.sync and not _offline(options):
         try:
             _to_mirror(mirror, call, commit, settings)
@@ -493,7 +497,7 @@ def _what_the_mirror_serves(
             )
         _skip(mirror, options, why)
         return None
-    fetched, unchecked = _fetch_listing(commit, options)
+    fetched, unchecked = hub_commits.fetch_listing(commit, options)
     if fetched is not None:
         listing, problem = hub_mirror.parse_listing(
             {"format_version": seam.LISTING_FORMAT, "files": fetched}
@@ -560,55 +564,6 @@ def _some(refused: dict[str, str]) -> str:
     return some + (f"; and {len(refused) - 3} more" if len(refused) > 3 else "")
 
 
-_listings: dict[tuple[str, str, str, str], dict[str, dict[str, object]]] = {}
-
-
-def _fetch_listing(
-    commit: str, options: dict[str, Any]
-) -> tuple[dict[str, dict[str, object]] | None, str]:
-    """The commit's listing from the Hub, with one ``list_repo_tree`` (one request per
-    1000 files) per commit and process, as huggingface_hub fetches it for
-    ``trees/<commit>.json``: entries and "", or None and why the Hub could not give it
-    (offline, unreachable, an error answer: where stock ``snapshot_download`` would serve
-    its own cache unchecked). A proxy error and an unknown commit are raised."""
-    if options.get("local_files_only"):
-        return None, "local_files_only is set"
-    if constants.HF_HUB_OFFLINE:
-        return None, "HF_HUB_OFFLINE is set"
-    key = hub_commits.RepoRevision.of(options)
-    known = _listings.get((key.endpoint, key.repo_type, key.repo_id, commit))
-    if known is not None:
-        return known, ""
-    down = hub_commits.recent_outage(key.endpoint)
-    if down:
-        return None, down
-    try:
-        files = hub_commits.hub_api(options).list_repo_tree(
-            key.repo_id, recursive=True, revision=commit, repo_type=key.repo_type
-        )
-        listing = {
-            f.path: hub_mirror.listing_entry(
-                size=f.size,
-                blob_id=f.blob_id,
-                lfs_sha256=f.lfs.sha256 if f.lfs is not None else None,
-                lfs_size=f.lfs.size if f.lfs is not None else None,
-                xet_hash=f.xet_hash,
-            )
-            for f in files
-            if isinstance(f, huggingface_hub.RepoFile)
-        }
-    except (seam.proxy_error(), seam.revision_not_found_error()):
-        raise
-    except seam.unreachable_errors() as exc:
-        return None, hub_commits.outage(key.endpoint, exc)
-    except seam.hub_http_error() as exc:
-        if (getattr(getattr(exc, "response", None), "status_code", 0) or 0) >= 500:
-            hub_commits.outage(key.endpoint, exc)
-        return None, f"the Hub did not give the listing ({type(exc).__name__}: {exc})"
-    _listings[(key.endpoint, key.repo_type, key.repo_id, commit)] = listing
-    return listing, ""
-
-
 def _store_listing(
     mirror: Path,
     commit: str,
@@ -646,6 +601,35 @@ def _record_local_dir_downloads(local_dir: Path, selection: hub_mirror.Selection
 # -- local -> mirror -----------------------------------------------------------------
 
 
+def _offer_to_the_mirror(options: dict[str, Any], found: Path | None) -> None:
+    """Have the mirror filled from the local cache (:mod:`.hub_fill`), in the background,
+    with the commit a lookup found (``found``, a file of its snapshot) or the call's
+    revision names in the cache. Never fails the call."""
+    try:
+        settings = from_env()
+        mirror = _mirror_for(options, settings)
+        if mirror is None or not settings.sync:
+            return
+        cache = _cache_folder(options)
+        revision = _revision(options)
+        commit = (
+            _snapshot_commit(cache, found) if found else hub_mirror.resolve_commit(cache, revision)
+        )
+        if commit is not None:
+            hub_fill.offer(hub_fill.LocalCommit(cache, mirror, commit))
+    except Exception as exc:  # the call was answered: the mirror's fill is a bonus
+        log.warning("loaderplug: the mirror will not be filled from the local cache: %s", exc)
+
+
+def _snapshot_commit(cache: Path, found: Path) -> str | None:
+    """The commit of a file found in ``cache/snapshots/<commit>/``."""
+    try:
+        commit = found.relative_to(cache / "snapshots").parts[0]
+    except (ValueError, IndexError):
+        return None
+    return commit if hub_mirror.COMMIT.match(commit) else None
+
+
 def _to_mirror(mirror: Path, call: _Call, commit: str | None, settings: Settings) -> None:
     """Copy what the call downloaded to the mirror (blobs, links, listing, then the ref).
     A single file's download leaves no listing behind: it is fetched (once per commit
@@ -665,7 +649,7 @@ def _to_mirror(mirror: Path, call: _Call, commit: str | None, settings: Settings
     if commit is None:
         raise RuntimeError(f"cannot tell which commit {revision!r} was downloaded")
     if call.file is not None and hub_mirror.read_listing(listing_folder, commit) is None:
-        fetched, why = _fetch_listing(commit, options)
+        fetched, why = hub_commits.fetch_listing(commit, options)
         if fetched is None:
             raise RuntimeError(f"no file listing of commit {commit} to fill it with ({why})")
         hub_mirror.write_listing(listing_folder, commit, fetched, fsync=settings.fsync)
