@@ -100,6 +100,9 @@ def test_demo_runs_and_verifies_its_copy() -> None:
     assert done.returncode == 0, done.stderr
     assert "restored files byte-identical to the mirror: yes" in done.stdout
     assert "nothing to do" in done.stdout
+    # The one pass: tensors as they land, the second copy from the same reads.
+    assert "the first after" in done.stdout and "4 files restored, 0 failed" in done.stdout
+    assert "one-pass copy byte-identical to the mirror: yes" in done.stdout
 
 
 def run_on_a_terminal(*args: str, env: dict[str, str]) -> str:
