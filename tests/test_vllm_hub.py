@@ -36,7 +36,12 @@ def llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def run_vllm(
-    cases: list[dict[str, Any]], home: Path, hub: HubServer, volume: Path, **env: str
+    cases: list[dict[str, Any]],
+    home: Path,
+    hub: HubServer,
+    volume: Path,
+    prefix: tuple[str, ...] = (),
+    **env: str,
 ) -> list[dict[str, Any]]:
     """Each case's generation, from a fresh process whose HF_HOME is ``home``."""
     from loaderplug.testing.vllm_runner import cases_in_subprocess
@@ -54,7 +59,7 @@ def run_vllm(
         "TRANSFORMERS_OFFLINE": "0",
         **env,
     }
-    return cases_in_subprocess(cases, environment, REPO_ROOT)
+    return cases_in_subprocess(cases, environment, REPO_ROOT, prefix)
 
 
 @pytest.mark.parametrize("layout", ["per-repo", "shared"])
@@ -115,3 +120,33 @@ def test_vllm_with_a_repo_id_fills_the_mirror_then_loads_from_it_up_down_and_off
     )
     assert down["ok"], down["log"]
     assert down["token_ids"] == reference["token_ids"]
+
+
+def test_vllms_own_loader_with_a_repo_id_under_loaderplug_run_loads_from_the_mirror(
+    llama: Path, hub: HubServer, tmp_path: Path
+) -> None:
+    """vLLM's default load format, unchanged, under ``loaderplug run``: the first worker's
+    downloads fill the mirror, the next worker (a fresh host) makes no file request, and
+    then loads with the Hub hung."""
+    files = {p.name: p.read_bytes() for p in llama.iterdir()}
+    sha = hub.add_repo(REPO, files)
+    volume = tmp_path / "volume"
+    volume.mkdir()
+    run = ("loaderplug", "run", "--")
+    case = [{"model": REPO, "load_format": "safetensors"}]
+    (first,) = run_vllm(case, tmp_path / "w1", hub, volume, run)
+    assert first["ok"], first["log"]
+    assert hub.file_requests() > 0
+    on_mirror = volume / "hub" / FOLDER / "snapshots" / sha
+    assert {n for n in files if n.endswith(".safetensors")} <= {p.name for p in on_mirror.iterdir()}
+
+    hub.reset_counts()
+    (second,) = run_vllm(case, tmp_path / "w2", hub, volume, run)
+    assert second["ok"], second["log"]
+    assert second["token_ids"] == first["token_ids"]
+    assert hub.file_requests() == 0, hub.requests
+
+    hub.failing = "hang"
+    (hung,) = run_vllm(case, tmp_path / "w3", hub, volume, run, LOADERPLUG_HUB_TIMEOUT_S="2")
+    assert hung["ok"], hung["log"]
+    assert hung["token_ids"] == first["token_ids"]

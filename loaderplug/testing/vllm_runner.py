@@ -51,7 +51,7 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -219,13 +219,20 @@ def serve_once(folder: Path, load_format: str, log_path: Path) -> dict[str, Any]
 
 
 def cases_in_subprocess(
-    cases: list[dict[str, Any]], env: dict[str, str], cwd: Path
+    cases: list[dict[str, Any]], env: dict[str, str], cwd: Path, prefix: Sequence[str] = ()
 ) -> list[dict[str, Any]]:
-    """Run ``cases`` with ``--cases`` in a fresh process with environment ``env``; each
-    case's result, with the process's output tail as ``log``. A failed process fails the
-    calling test with that output."""
+    """Run ``cases`` with ``--cases`` in a fresh process with environment ``env`` (started
+    through ``prefix``, say ``loaderplug run --``); each case's result, with the process's
+    output tail as ``log``. A failed process fails the calling test with that output."""
     done = subprocess.run(
-        [sys.executable, "-m", "loaderplug.testing.vllm_runner", "--cases", json.dumps(cases)],
+        [
+            *prefix,
+            sys.executable,
+            "-m",
+            "loaderplug.testing.vllm_runner",
+            "--cases",
+            json.dumps(cases),
+        ],  # fmt: skip
         cwd=cwd,
         env=env,
         capture_output=True,
