@@ -232,7 +232,7 @@ def cases_in_subprocess(
             "loaderplug.testing.vllm_runner",
             "--cases",
             json.dumps(cases),
-        ],  # fmt: skip
+        ],
         cwd=cwd,
         env=env,
         capture_output=True,
