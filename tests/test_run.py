@@ -164,8 +164,16 @@ def test_hf_download_worker_two_is_served_from_the_mirror(
     mirror, the second (a fresh cache) makes no file request; every file, empty ones,
     dotfiles and subfolders included, as the Hub has it."""
     hub.add_repo(REPO, FILES)
-    for worker in (1, 2):
-        env = client_env(hub.endpoint, tmp_path / f"home{worker}")
+    # The Hub as each worker finds it: up for the first, then up, offline, hung, gone.
+    for worker, state in enumerate(("first", "up", "offline", "hang", "stopped")):
+        env = {**client_env(hub.endpoint, tmp_path / f"home{worker}"),
+               "LOADERPLUG_HUB_TIMEOUT_S": "2"}  # fmt: skip
+        if state == "offline":
+            env["HF_HUB_OFFLINE"] = "1"
+        elif state == "hang":
+            hub.failing = "hang"
+        elif state == "stopped":
+            hub.stop()
         out = tmp_path / f"out{worker}"
         where = ["--local-dir", str(out)] if into == "local-dir" else []
         hub.reset_counts()
@@ -176,6 +184,6 @@ def test_hf_download_worker_two_is_served_from_the_mirror(
         got = {str(p.relative_to(folder)): p.read_bytes() for p in folder.rglob("*")
                if p.is_file() and ".cache" not in p.parts}  # fmt: skip
         assert got == FILES
-        assert (hub.file_requests() > 0) == (worker == 1), (worker, hub.requests, done.stderr)
-        if worker == 2:
+        assert (hub.file_requests() > 0) == (state == "first"), (state, hub.requests, done.stderr)
+        if state == "up":
             assert "loaderplug" not in done.stderr, done.stderr

@@ -138,3 +138,37 @@ def test_a_dead_syncers_mark_is_taken_over_and_a_live_one_waited_for(tmp_path: P
     assert taken.wait(10)
     waiter.join()
     assert not (mirror / MARK_NAME).exists()
+
+
+@pytest.mark.parametrize("ends", ["cleanly", "with an error"])
+def test_a_syncer_whose_mark_was_taken_over_leaves_the_new_owners_mark_alone(
+    tmp_path: Path, ends: str
+) -> None:
+    """A syncer thought dead (its mark went stale) whose mark a second syncer took over:
+    when the first ends, it neither removes the second's mark nor marks it abandoned, and
+    its heart no longer refreshes it."""
+    mirror = tmp_path / "synced"
+    first = SyncMark(mirror, wait_s=5, stale_s=2)
+    first.__enter__()
+    first._stop.set()  # its heart stalls, as in a syncer frozen for a while
+    assert first._heart is not None
+    first._heart.join()
+    stale = time.time() - 60
+    os.utime(mirror / MARK_NAME, (stale, stale))
+    with SyncMark(mirror, wait_s=5, stale_s=2) as second:
+        error = None if ends == "cleanly" else RuntimeError("the first sync failed late")
+        first.__exit__(type(error) if error else None, error, None)
+        mark = json.loads((mirror / MARK_NAME).read_text())
+        assert mark["token"] == second.token and not mark.get("abandoned"), mark
+    assert not (mirror / MARK_NAME).exists()  # the second, ending cleanly, removed its own
+
+
+def test_an_abandoned_mark_is_written_whole(tmp_path: Path) -> None:
+    """A sync that fails rewrites its mark as abandoned by a rename: no reader ever finds
+    it empty or half-written, and no temp file is left."""
+    mirror = tmp_path / "synced"
+    with pytest.raises(RuntimeError), SyncMark(mirror, wait_s=5, stale_s=60):
+        raise RuntimeError("failed")
+    mark = read_mark(mirror / MARK_NAME)
+    assert mark is not None and mark.abandoned
+    assert sorted(p.name for p in mirror.iterdir()) == [MARK_NAME]

@@ -155,10 +155,22 @@ class SyncMark(contextlib.AbstractContextManager["SyncMark"]):
 
     def _beat(self) -> None:
         # Refreshed several times within the staleness limit: one slow write is no death.
+        # A mark another syncer took over (this one was thought dead) is its own: this
+        # heart stops rather than keep it alive.
         every = max(0.5, min(5.0, self.stale_s / 4))
         while not self._stop.wait(every):
+            if self._own() is None:
+                return
             with contextlib.suppress(OSError):
                 os.utime(self.path)
+
+    def _own(self) -> dict[str, object] | None:
+        """The mark's content if it is still this syncer's (its token), else None."""
+        try:
+            data = json.loads(self.path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return None
+        return data if isinstance(data, dict) and data.get("token") == self.token else None
 
     def __exit__(
         self,
@@ -169,14 +181,29 @@ class SyncMark(contextlib.AbstractContextManager["SyncMark"]):
         self._stop.set()
         if self._heart is not None:
             self._heart.join()
+        data = self._own()
+        if data is None:  # taken over by a syncer that thought this one dead: its mark
+            return
         if kind is None:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.path)
             return
-        try:  # left for hydrates to refuse at once, rather than after it goes stale
-            data = json.loads(self.path.read_text(encoding="utf-8"))
-            data["abandoned"] = True
-            self.path.write_text(json.dumps(data), encoding="utf-8")
+        # Left for hydrates to refuse at once, rather than after it goes stale; written
+        # whole (a hydrate may read it at any moment).
+        try:
+            write_mark(self.path, {**data, "abandoned": True})
         except OSError as error:
             if error.errno not in (errno.ENOENT, errno.EROFS):
                 raise
+
+
+def write_mark(path: Path, data: dict[str, object]) -> None:
+    """Replace the mark at ``path`` with ``data`` in one rename: a reader sees the old
+    mark or the new, never a torn one."""
+    part = path.with_name(f"{path.name}.{secrets.token_hex(4)}.part")
+    try:
+        part.write_text(json.dumps(data), encoding="utf-8")
+        os.replace(part, path)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            part.unlink()
