@@ -50,7 +50,7 @@ def write_tiny_sentence_transformer(folder: Path) -> dict[str, bytes]:
                         max_position_embeddings=64)  # fmt: skip
     transformers.BertModel(config).save_pretrained(parts)
     tokenizer.save_pretrained(parts)
-    models = _untyped("sentence_transformers.models")
+    models = _untyped("sentence_transformers.sentence_transformer.modules")
     word = models.Transformer(str(parts))
     st.SentenceTransformer(modules=[word, models.Pooling(64)]).save(str(folder))
     return _files(folder)
