@@ -113,8 +113,10 @@ def main() -> int:
         "# A second worker while the Hub is up, hung, failing or gone\n\n"
         "The mirror holds the model (a first worker filled it); a fresh worker with an empty "
         "cache runs transformers' `from_pretrained` of the model and its tokenizer by repo "
-        "id, under `loaderplug run` (LOADERPLUG_HUB_TIMEOUT_S=10, the default) and stock. "
-        "Seconds from process start to exit (transformers' import included).\n\n"
+        "id, under `loaderplug run` (LOADERPLUG_HUB_TIMEOUT_S=10, the default) and stock "
+        "(which knows no mirror: the Hub is its only source). Seconds from process start to "
+        "exit (transformers' import included); `x Hub up` is over the Hub-up time under "
+        "`loaderplug run`.\n\n"
     )
     write_results(args.out, "hub_outage", header, table(results), results)
     print(json.dumps(results, indent=1))

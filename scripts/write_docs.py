@@ -19,6 +19,7 @@ ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
 RESULTS = ROOT / "benchmarks" / "results"
 BENCHMARKS = (
+    "hub_outage",
     "hydrate",
     "auto",
     "load",
