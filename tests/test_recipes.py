@@ -61,13 +61,8 @@ def workers(
         for worker, state in enumerate(("first", *later)):
             hub.reset_counts()
             env = {**client_env(hub.endpoint, tmp_path / f"home{worker}"),
-                   "LOADERPLUG_MIRROR": str(volume), "LOADERPLUG_HUB_TIMEOUT_S": "2"}  # fmt: skip
-            if state == "offline":
-                env["HF_HUB_OFFLINE"] = "1"
-            elif state == "hang":
-                hub.failing = "hang"
-            elif state == "stopped":
-                hub.stop()
+                   "LOADERPLUG_MIRROR": str(volume), "LOADERPLUG_HUB_TIMEOUT_S": "2",
+                   **hub.become("up" if state == "first" else state)}  # fmt: skip
             outputs.append(sh("loaderplug", "run", "--", *command, env=env))
             assert (hub.file_requests() > 0) == (state == "first"), (state, hub.requests)
     return outputs

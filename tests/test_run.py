@@ -166,14 +166,9 @@ def test_hf_download_worker_two_is_served_from_the_mirror(
     hub.add_repo(REPO, FILES)
     # The Hub as each worker finds it: up for the first, then up, offline, hung, gone.
     for worker, state in enumerate(("first", "up", "offline", "hang", "stopped")):
+        hub_state = hub.become("up" if state == "first" else state)
         env = {**client_env(hub.endpoint, tmp_path / f"home{worker}"),
-               "LOADERPLUG_HUB_TIMEOUT_S": "2"}  # fmt: skip
-        if state == "offline":
-            env["HF_HUB_OFFLINE"] = "1"
-        elif state == "hang":
-            hub.failing = "hang"
-        elif state == "stopped":
-            hub.stop()
+               "LOADERPLUG_HUB_TIMEOUT_S": "2", **hub_state}  # fmt: skip
         out = tmp_path / f"out{worker}"
         where = ["--local-dir", str(out)] if into == "local-dir" else []
         hub.reset_counts()

@@ -142,13 +142,9 @@ def ask_hub(key: RepoRevision, options: dict[str, Any]) -> tuple[str | None, str
     """The commit the Hub says ``key`` names, and ""; or None and why the Hub could not
     say (where stock huggingface_hub would fall back on its cache). A proxy error and an
     unknown revision are raised, as stock raises them."""
-    if options.get("local_files_only"):
-        return None, "local_files_only is set"
-    if constants.HF_HUB_OFFLINE:
-        return None, "HF_HUB_OFFLINE is set"
-    down = recent_outage(key.endpoint)
-    if down:
-        return None, down
+    why_not = not_to_be_asked(options, key.endpoint)
+    if why_not:
+        return None, why_not
     try:
         info = hub_api(options).repo_info(
             key.repo_id, revision=key.revision, repo_type=key.repo_type
@@ -164,6 +160,16 @@ def ask_hub(key: RepoRevision, options: dict[str, Any]) -> tuple[str | None, str
         return None, f"the Hub answered {type(exc).__name__}: {exc}"
     sha = getattr(info, "sha", None)
     return (str(sha), "") if sha and hub_mirror.COMMIT.match(str(sha)) else (None, "no sha")
+
+
+def not_to_be_asked(options: dict[str, Any], endpoint: str) -> str:
+    """Why the Hub may not be asked for this call now ("" where it may): the call is
+    local, the process offline, or the Hub out of reach a moment ago."""
+    if options.get("local_files_only"):
+        return "local_files_only is set"
+    if constants.HF_HUB_OFFLINE:
+        return "HF_HUB_OFFLINE is set"
+    return recent_outage(endpoint)
 
 
 def hub_api(options: dict[str, Any]) -> Any:
@@ -205,17 +211,13 @@ def fetch_listing(
     ``trees/<commit>.json``: entries and "", or None and why the Hub could not give it
     (offline, unreachable, an error answer: where stock ``snapshot_download`` would serve
     its own cache unchecked). A proxy error and an unknown commit are raised."""
-    if options.get("local_files_only"):
-        return None, "local_files_only is set"
-    if constants.HF_HUB_OFFLINE:
-        return None, "HF_HUB_OFFLINE is set"
     key = RepoRevision.of(options)
     known = _listings.get((key.endpoint, key.repo_type, key.repo_id, commit))
     if known is not None:
         return known, ""
-    down = recent_outage(key.endpoint)
-    if down:
-        return None, down
+    why_not = not_to_be_asked(options, key.endpoint)
+    if why_not:
+        return None, why_not
     try:
         files = hub_api(options).list_repo_tree(
             key.repo_id, recursive=True, revision=commit, repo_type=key.repo_type

@@ -481,6 +481,19 @@ class HubServer(_HubApi):
         with self._lock:
             self.requests.clear()
 
+    def become(self, state: str) -> dict[str, str]:
+        """Put the Hub in ``state`` as the next client finds it: ``up``, ``offline`` (the
+        client's ``HF_HUB_OFFLINE``), ``hang``, ``500``/``503``/``429`` (see
+        :attr:`failing`) or ``stopped`` (connections refused); the environment the
+        client needs for it."""
+        if state == "offline":
+            return {"HF_HUB_OFFLINE": "1"}
+        if state == "stopped":
+            self.stop()
+        elif state != "up":
+            self.failing = state
+        return {}
+
     # -- lifecycle -------------------------------------------------------------------------
 
     def start(self) -> HubServer:
