@@ -93,6 +93,19 @@ class Variable:
             return "any text"
         return "a filesystem path"
 
+    def env_form(self, value: Any) -> str:
+        """``value`` as it would be written in the environment (``on``, ``512 MiB``,
+        ``a,b``), or ``unset``."""
+        if value is None:
+            return "unset"
+        if self.kind == "bool":
+            return "on" if value else "off"
+        if self.kind == "size":
+            return format_size(value)
+        if self.kind == "names":
+            return ",".join(value) or "empty"
+        return str(value)
+
     @property
     def shown_default(self) -> str:
         """The default as the settings table shows it."""

@@ -157,6 +157,21 @@ def test_doctor_shows_each_decision_and_where_settings_came_from(tmp_path: Path)
     assert "LOADERPLUG_BYTES_IN_FLIGHT=512 MiB  (default)" in done.stdout
 
 
+def test_doctor_speaks_the_environments_language(tmp_path: Path) -> None:
+    """Settings as they are written in the environment, and a misspelt variable said in
+    one line, with no Python file path."""
+    env = {"LOADERPLUG_IO_PROBE": "0", "LOADERPLUG_REDERS": "4"}
+    done = run("doctor", str(tmp_path), env=env)
+    assert done.returncode == 0, done.stderr
+    assert "LOADERPLUG_IO_PROBE=off  (environment)" in done.stdout
+    assert "LOADERPLUG_FSYNC=on  (default)" in done.stdout
+    assert "LOADERPLUG_HOST_ID=unset  (default)" in done.stdout
+    assert "None" not in done.stdout and "True" not in done.stdout
+    (warning,) = [line for line in done.stdout.splitlines() if line.startswith("warning:")]
+    assert "LOADERPLUG_REDERS" in warning and "LOADERPLUG_READERS" in warning
+    assert ".py" not in done.stdout + done.stderr
+
+
 @pytest.mark.slow
 def test_load_hydrates_and_loads_in_one_pass(model: Path, tmp_path: Path) -> None:
     pytest.importorskip("torch")

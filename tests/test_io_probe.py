@@ -130,7 +130,7 @@ def test_forced_modes_probing_off_and_warm_files_keep_the_table(
 def test_doctor_shows_the_measured_choice(big: Path) -> None:
     said = doctor([str(big)], {"XDG_CACHE_HOME": os.environ["XDG_CACHE_HOME"]})
     assert "measured on this mount" in said and "MiB/s" in said
-    assert "LOADERPLUG_IO_PROBE=True  (default)" in said
+    assert "LOADERPLUG_IO_PROBE=on  (default)" in said
     off = doctor([str(big)], {"LOADERPLUG_IO_PROBE": "0"})
     assert "measured on this mount" not in off.splitlines()[0]
 

@@ -3,18 +3,22 @@
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Sequence
 
 from loaderplug.plugins.manager import Plugins
 from loaderplug.settings import REGISTRY, from_env
 from loaderplug.storage.mounts import find_mount
-from loaderplug.units import format_size
 
 
 def doctor(paths: Sequence[str], environ: dict[str, str] | None = None) -> str:
-    settings = from_env(environ if environ is not None else os.environ)
+    # What is wrong with the settings (an unknown LOADERPLUG_* name, a renamed one) is
+    # said here, a line each, rather than as Python warnings with their file paths.
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        settings = from_env(environ if environ is not None else os.environ)
     plugins = Plugins(settings)
-    lines = []
+    lines = [f"warning: {w.message}" for w in said]
     for path in paths:
         policy = plugins.io_policy(path)
         mount = find_mount(path)
@@ -27,7 +31,6 @@ def doctor(paths: Sequence[str], environ: dict[str, str] | None = None) -> str:
         )
     lines.append("settings:")
     for var in REGISTRY:
-        value = getattr(settings, var.field)
-        shown = format_size(value) if var.kind == "size" and value is not None else value
+        shown = var.env_form(getattr(settings, var.field))
         lines.append(f"  {var.name}={shown}  ({settings.origins.get(var.field, 'default')})")
     return "\n".join(lines)

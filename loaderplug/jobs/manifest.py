@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from loaderplug.engine.retry import RetryPolicy, retrying
 from loaderplug.errors import MirrorError
 from loaderplug.jobs.file_sink import temp_name_for
 from loaderplug.jobs.model_folder import MANIFEST_NAME, path_problem, symlink_problem
@@ -30,11 +31,20 @@ class Manifest:
     refused: dict[str, str] = field(default_factory=dict)  # rel → why it is not hydrated
 
 
-def read(root: Path) -> Manifest | None:
-    """The manifest at ``root``, or None when the mirror has none (it is then walked)."""
+# A manifest is read like any file of the mirror: with the default retry policy.
+READ_RETRY = RetryPolicy()
+
+
+def read(root: Path, retry: RetryPolicy = READ_RETRY) -> Manifest | None:
+    """The manifest at ``root``, or None when the mirror has none (it is then walked).
+    A transient error (a stale NFS handle, EIO under load) is retried like any read."""
     path = root / MANIFEST_NAME
+
+    def give_up(exc: OSError, attempts: int | None) -> OSError:
+        return OSError(exc.errno, exc.strerror, exc.filename)  # ENOENT: FileNotFoundError
+
     try:
-        text = path.read_text(encoding="utf-8")
+        text, _ = retrying(lambda: path.read_text(encoding="utf-8"), retry, give_up)
     except FileNotFoundError:
         return None
     try:
