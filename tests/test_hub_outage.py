@@ -57,25 +57,32 @@ def worker(
     )  # fmt: skip
 
 
+@pytest.fixture(scope="module")
+def filled(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, bytes], Path]:
+    """The model's files, and a mirror a first worker filled with them (the Hub up)."""
+    from loaderplug.testing.tiny_llama import write_tiny_llama
+
+    root = tmp_path_factory.mktemp("outage")
+    write_tiny_llama(root / "llama", shards=2)
+    files = {p.name: p.read_bytes() for p in (root / "llama").iterdir()}
+    volume = root / "volume"
+    volume.mkdir()
+    with HubServer() as hub:
+        hub.add_repo(REPO, files)
+        first = worker(hub, root / "home1", volume)
+        assert first.returncode == 0 and "loaded" in first.stdout, first.stderr[-2000:]
+    return files, volume
+
+
 @pytest.mark.slow  # a transformers process per state of the Hub
 @pytest.mark.parametrize("failing", ["hang", "500", "429", "stopped"])
 def test_a_worker_whose_mirror_holds_the_model_is_not_held_up_by_the_hub(
-    tmp_path: Path, failing: str
+    tmp_path: Path, failing: str, filled: tuple[dict[str, bytes], Path]
 ) -> None:
-    from loaderplug.testing.tiny_llama import write_tiny_llama
-
-    write_tiny_llama(tmp_path / "llama", shards=2)
-    volume = tmp_path / "volume"
-    volume.mkdir()
-    with HubServer() as hub:
-        hub.add_repo(REPO, {p.name: p.read_bytes() for p in (tmp_path / "llama").iterdir()})
-        first = worker(hub, tmp_path / "home1", volume)
-        assert first.returncode == 0 and "loaded" in first.stdout, first.stderr[-2000:]
-        hub.reset_counts()
-        if failing == "stopped":
-            hub.stop()  # nothing listens: connections are refused
-        else:
-            hub.failing = failing
+    files, volume = filled
+    with HubServer() as hub:  # the same repo, at the same commit, in trouble
+        hub.add_repo(REPO, files)
+        hub.become(failing)
         second = worker(hub, tmp_path / "home2", volume)
         assert second.returncode == 0, second.stderr[-3000:]
         assert "loaded LlamaForCausalLM True" in second.stdout

@@ -158,3 +158,48 @@ def test_the_storage_bench_measures_the_mount_again_and_keeps_it(big: Path) -> N
     assert entry["sample"] == str(big)
     off = run_bench(big.parent, seconds=1, max_bytes=8 * MiB, grid=[(2, MiB)])
     assert off.measured is None  # LOADERPLUG_IO_PROBE=0 here (conftest)
+
+
+def test_processes_probing_one_new_mount_at_once_agree_and_leave_one_valid_file(
+    big: Path, tmp_path: Path
+) -> None:
+    """8 processes find the mount unmeasured at once and each measures it: the first
+    measurement kept is the one every process uses, and the file is one valid table."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from loaderplug.storage.io_policy import decide\n"
+        "policy = decide(sys.argv[1], 'auto', measure=True)\n"
+        "print(policy.direct, policy.reason)\n"
+    )
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", code, str(big)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for _ in range(8)
+    ]
+    said = [p.communicate(timeout=300) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [err[-500:] for _, err in said]
+    answers = {out.strip() for out, _ in said}
+    assert len(answers) == 1, answers
+    (entry,) = entries().values()
+    assert answers == {f"{entry['direct']} {io_probe.Measurement(**entry).reason}"}
+
+
+@pytest.mark.parametrize("garbage", ["{torn", "[1, 2]", ""])
+def test_a_garbage_policy_file_is_ignored_with_a_warning(
+    big: Path, garbage: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    io_probe._warned.clear()
+    io_probe.cache_file().parent.mkdir(parents=True)
+    io_probe.cache_file().write_text(garbage)
+    policy = decide(big, "auto", measure=True)
+    assert policy.reason.startswith("measured on this mount")
+    assert len(entries()) == 1  # replaced by a valid table
+    assert "is not a table of measurements" in caplog.text

@@ -76,7 +76,8 @@ def test_the_huggingface_worker_loads_from_the_mirror(tmp_path: Path) -> None:
     write_tiny_llama(tmp_path / "llama", shards=2)
     files = {p.name: p.read_bytes() for p in (tmp_path / "llama").iterdir()}
     worker = str(RECIPES / "huggingface" / "worker.py")
-    outputs = workers(tmp_path, files, [sys.executable, worker, "acme/model"])
+    # transformers with the Hub hung, failing or gone: tests/test_hub_outage.py.
+    outputs = workers(tmp_path, files, [sys.executable, worker, "acme/model"], ("up",))
     assert {out.split(":")[0] for out in outputs} == {"loaded acme/model"}
 
 
@@ -90,7 +91,7 @@ def test_a_diffusers_pipeline_with_components_in_subfolders_loads_from_the_mirro
     files = write_tiny_ddpm(tmp_path / "ddpm")
     assert {"unet/config.json", "scheduler/scheduler_config.json"} <= set(files)
     script = str(RECIPES / "diffusers" / "pipeline.py")
-    outputs = workers(tmp_path, files, [sys.executable, script, "acme/model"])
+    outputs = workers(tmp_path, files, [sys.executable, script, "acme/model"], ("up", "hang"))
     for out in outputs:
         assert "loaded acme/model (scheduler, unet)" in out
         assert "one step gave an image of shape (1, 3, 8, 8)" in out
@@ -108,7 +109,7 @@ def test_sentence_transformers_loads_from_the_mirror(tmp_path: Path) -> None:
         "vectors = SentenceTransformer('acme/model').encode(['hello world'])\n"
         "print(vectors.shape, round(float(vectors.sum()), 4))\n"
     )
-    outputs = workers(tmp_path, files, [sys.executable, "-c", code])
+    outputs = workers(tmp_path, files, [sys.executable, "-c", code], ("up", "offline"))
     assert len(set(outputs)) == 1 and outputs[0].startswith("(1, 64)")  # the same model
 
 

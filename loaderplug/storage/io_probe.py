@@ -14,9 +14,12 @@ both.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import fcntl
 import itertools
 import json
+import logging
 import os
 import threading
 import time
@@ -30,6 +33,8 @@ from loaderplug.storage.residency import WARM_FRACTION, cached_fraction
 from loaderplug.storage.source import PosixSource, aligned_buffer
 from loaderplug.types import IOPolicy
 from loaderplug.units import MiB
+
+log = logging.getLogger(__name__)
 
 # Most bytes a probe reads (half each way), and about how long it may take.
 PROBE_BYTES = 256 * MiB
@@ -109,28 +114,54 @@ def _entries() -> Any:
     parsed = _parsed
     if parsed is not None and parsed[:2] == (str(path), signature):
         return parsed[2]
-    try:
-        entries = json.loads(path.read_text())
-    except (OSError, ValueError):
-        entries = {}
+    entries = _read_entries(path)
     _parsed = (str(path), signature, entries)
     return entries
 
 
-def _record(key: str, measurement: Measurement) -> None:
+_warned: set[str] = set()
+
+
+def _read_entries(path: Path) -> dict[str, Any]:
+    """The file's measurements by mount; a file that is not such a table (torn, garbage,
+    another program's) counts as none, said once: the mounts are measured again."""
+    try:
+        entries = json.loads(path.read_text())
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as exc:
+        entries = exc
+    if isinstance(entries, dict):
+        return entries
+    if str(path) not in _warned:
+        _warned.add(str(path))
+        log.warning("loaderplug: ignoring %s, which is not a table of measurements (%s); "
+                    "mounts will be measured again", path, entries)  # fmt: skip
+    return {}
+
+
+def _record(key: str, measurement: Measurement, *, replace: bool = False) -> Measurement:
+    """Keep ``measurement`` for the mount, unless another process kept one first (and
+    this is no ``replace``): the kept one, which every process then uses. The file is
+    rewritten under a lock beside it, whole, by a rename; a home that cannot be written
+    keeps nothing."""
     path = cache_file()
     with _lock:
         try:
-            entries = json.loads(path.read_text())
-        except (OSError, ValueError):
-            entries = {}
-        entries[key] = asdict(measurement)
-        try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            temp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-            write_atomically(path, json.dumps(entries, indent=1), temp=temp, fsync=False)
+            with open(path.with_name(f".{path.name}.lock"), "a") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)
+                entries = _read_entries(path)
+                kept = entries.get(key)
+                if isinstance(kept, dict) and not replace:
+                    with contextlib.suppress(TypeError):
+                        return Measurement(**kept)
+                entries[key] = asdict(measurement)
+                temp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+                write_atomically(path, json.dumps(entries, indent=1), temp=temp, fsync=False)
         except OSError:
             pass  # a read-only home: the next job measures again
+    return measurement
 
 
 def measured_policy(path: str, guess: IOPolicy, direct_alignment: int) -> IOPolicy:
@@ -147,7 +178,7 @@ def measured_policy(path: str, guess: IOPolicy, direct_alignment: int) -> IOPoli
     if sample is not None:
         found = probe(sample, key, guess, direct_alignment)
         if found is not None:
-            _record(key, found)
+            found = _record(key, found)
     if found is None:
         return guess
     alignment = direct_alignment if found.direct else 1
@@ -288,7 +319,7 @@ def remeasure(path: str, guess: IOPolicy, direct_alignment: int) -> Measurement 
     sample = _sample(path)
     found = probe(sample, key, guess, direct_alignment) if sample is not None else None
     if found is not None:
-        _record(key, found)
+        _record(key, found, replace=True)
     return found
 
 
