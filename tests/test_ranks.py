@@ -375,9 +375,10 @@ def test_a_collective_that_completes_as_its_wait_runs_out_is_done_not_failed(
     only if waiting for it again raises."""
     from loaderplug.errors import DistributedError
     from loaderplug.tensors.peers import PeerWatch
-    from loaderplug.tensors.ranks import Share, _Steps
+    from loaderplug.tensors.rank_share import Share
+    from loaderplug.tensors.rank_steps import Steps
 
-    steps = _Steps(
+    steps = Steps(
         Share(group=None, rank=0, size=2, global_ranks=(0, 1), timeout_s=60), PeerWatch(())
     )
     try:

@@ -101,12 +101,12 @@ def main() -> int:
     if die_at:
         threading.Timer(die_at, die).start()
     if os.environ.get("RANK_MAP_FAIL"):
-        from loaderplug.tensors import ranks
+        from loaderplug.tensors import rank_stream
 
         def refuse(self: object, index: int) -> None:
             raise OSError(errno.ENOMEM, os.strerror(errno.ENOMEM))
 
-        ranks._MappedFiles._map = refuse  # type: ignore[assignment,method-assign]
+        rank_stream.MappedFiles._map = refuse  # type: ignore[assignment,method-assign]
     group = None if os.environ.get("RANK_GROUP") == "none" else dist.group.WORLD
     out: dict[str, object] = {"tensors": {}, "error": None}
     base_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # torch, the group

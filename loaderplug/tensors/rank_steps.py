@@ -1,0 +1,140 @@
+"""The steps of a shared load: the ranks advance all together, each saying at every
+step (through one small collective) what it has done since the last one, and an error
+on any rank is raised on every rank. Each collective is waited for in short slices with
+an eye on the peers' processes, so a death ends the wait at once."""
+
+from __future__ import annotations
+
+import pickle
+from collections.abc import Callable, Generator, Iterator
+from typing import Any, Protocol
+
+from loaderplug.errors import DistributedError, LoaderplugError
+from loaderplug.tensors.peers import PeerWatch
+from loaderplug.tensors.rank_collectives import WAKE, collective, completed_well, stopped_answering
+from loaderplug.tensors.rank_mode import SharingMode
+from loaderplug.tensors.rank_share import Share
+
+# How long a failed collective waits to see whether a peer died, to name it.
+PEER_EXIT_S = 1.0
+
+# A sharing mode's hand-over: every tensor of the load, on this rank.
+SharedPairs = Generator[tuple[str, Any], None, None]
+
+
+class Steps:
+    """The share's collectives, each waited for with an eye on the peers: a collective
+    on the share's (gloo) group is started asynchronously and waited for in short
+    slices, so a peer's death ends the wait at once, whatever gloo makes of it."""
+
+    WAKE = WAKE
+
+    def __init__(self, share: Share, watch: PeerWatch) -> None:
+        self.share = share
+        self.watch = watch
+        self.pending: Any = None  # a collective not waited out (a peer died during it)
+
+    def exchange(self, news: tuple[str, Any] | None) -> list[tuple[str, Any] | None]:
+        """Tell the other ranks ``news`` and hear theirs; an error anywhere (a rank's
+        error, a dead rank) is raised here, on every rank alike."""
+        import torch
+        import torch.distributed as dist
+
+        self.watch.check()
+        size, group = self.share.size, self.share.group
+        # As all_gather_object does, in two collectives (lengths, then the padded
+        # bytes), but asynchronous, so the wait can watch the peers.
+        payload = torch.frombuffer(bytearray(pickle.dumps(news)), dtype=torch.uint8)
+        length = torch.tensor([payload.numel()], dtype=torch.int64)
+        lengths = [torch.zeros(1, dtype=torch.int64) for _ in range(size)]
+        self._wait(dist.all_gather(lengths, length, group=group, async_op=True))
+        longest = max(int(n.item()) for n in lengths)
+        padded = torch.zeros(longest, dtype=torch.uint8)
+        padded[: payload.numel()] = payload
+        gathered = [torch.empty(longest, dtype=torch.uint8) for _ in range(size)]
+        self._wait(dist.all_gather(gathered, padded, group=group, async_op=True))
+        said: list[tuple[str, Any] | None] = [
+            pickle.loads(data[: int(n.item())].numpy().tobytes())
+            for data, n in zip(gathered, lengths, strict=True)
+        ]
+        for rank, step in enumerate(said):
+            if step is not None and step[0] == "error":
+                raise DistributedError(
+                    f"rank {self.share.global_ranks[rank]} of the shared load failed: {step[1]}"
+                )
+        return said
+
+    def broadcast(self, raw: Any, src: int, group: Any) -> None:
+        """``raw`` from global rank ``src`` to the others over ``group``: the share's
+        own, watched, or an NCCL group (blocking: NCCL's own watchdog guards it)."""
+        import torch.distributed as dist
+
+        if group is not self.share.group:
+            collective(dist.broadcast, raw, src=src, group=group)
+            return
+        self._wait(dist.broadcast(raw, src=src, group=group, async_op=True))
+
+    def _wait(self, work: Any) -> None:
+        self.pending = work
+        while True:
+            self.watch.check()
+            try:
+                work.wait(timeout=self.WAKE)
+                self.pending = None
+                return
+            except RuntimeError as exc:
+                if not work.is_completed():
+                    continue  # only this slice of the wait ran out
+                if completed_well(work):
+                    # The slice ran out a moment before the collective completed:
+                    # gloo says "timed out", yet it is done and went well.
+                    self.pending = None
+                    return
+                # A peer's death closes its sockets a moment before it is seen to exit.
+                self.watch.check(wait_s=PEER_EXIT_S)
+                raise stopped_answering(exc) from exc
+
+
+def agreed(steps: Steps, mode: SharingMode) -> SharingMode:
+    """Rank 0's sharing mode, on every rank: a local copy published between two ranks'
+    looks at it would have them share in different ways."""
+    first = steps.exchange(("mode", mode))[0]
+    assert first is not None and first[0] == "mode"
+    return first[1]  # type: ignore[no-any-return]
+
+
+class Step(Protocol):
+    """One step of a per-tensor share (see :func:`each_step`)."""
+
+    own: Any
+    error: str | None
+
+    def offer(self) -> tuple[str, Any] | None: ...
+
+    def hand_over(self, said: list[Any]) -> Iterator[tuple[str, Any]]: ...
+
+
+def each_step(
+    own: Iterator[Any], new_step: Callable[[], Step], steps: Steps
+) -> Iterator[tuple[str, Any]]:
+    """Steps until every rank is done: at each, every rank offers its next own tensor
+    (``step.offer()``; a stream's rank may say it has none yet) and hands over every
+    tensor offered (``step.hand_over(said)``).
+    An error, this rank's own or one it met handing over, ends the load on every rank."""
+    done = False
+    while True:
+        step = new_step()
+        error: tuple[str, Any] | None = None
+        if not done:
+            try:
+                step.own = next(own, None)
+            except LoaderplugError as exc:
+                error, done = ("error", str(exc)), True
+            else:
+                done = step.own is None
+        said = steps.exchange(error or step.offer())
+        yield from step.hand_over(said)
+        if step.error is not None:  # the others hear of it at once, and all raise
+            steps.exchange(("error", step.error))
+        if all(s is None for s in said):
+            return
