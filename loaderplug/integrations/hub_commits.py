@@ -198,6 +198,41 @@ def outage(endpoint: str, exc: BaseException) -> str:
     return f"the Hub could not be reached ({type(exc).__name__}: {exc})"
 
 
+# -- the commit a local cache or folder holds ------------------------------------------
+
+
+def keep_local_ref(folder: Path, options: dict[str, Any], commit: str, *, fsync: bool) -> None:
+    """Point ``refs/<branch>`` of the repo's local cache ``folder`` at the commit a download
+    was pinned to (the original writes no ref for a pinned revision), so huggingface_hub's
+    own lookups by branch find it offline."""
+    ref = ref_name(options)
+    if options.get("local_dir") is not None or ref is None:
+        return
+    if (folder / "snapshots" / commit).is_dir():
+        hub_mirror.write_ref(folder, ref, commit, fsync=fsync)
+
+
+def snapshot_commit(cache: Path, found: Path) -> str | None:
+    """The commit of a file found in ``cache/snapshots/<commit>/``."""
+    try:
+        commit = found.relative_to(cache / "snapshots").parts[0]
+    except (ValueError, IndexError):
+        return None
+    return commit if hub_mirror.COMMIT.match(commit) else None
+
+
+def local_dir_commit(local_dir: Path) -> str | None:
+    """The commit of the file a ``local_dir`` download recorded last: huggingface_hub
+    writes ``download/<path>.metadata`` (commit, etag, time) for every file it places."""
+    download = local_dir / seam.LOCAL_DIR_DOWNLOADS
+    records = sorted(download.rglob("*.metadata"), key=lambda p: p.stat().st_mtime)
+    for record in reversed(records):
+        commit = record.read_text().split("\n", 1)[0].strip()
+        if hub_mirror.COMMIT.match(commit):
+            return commit
+    return None
+
+
 # -- a commit's file listing ----------------------------------------------------------
 
 _listings: dict[tuple[str, str, str, str], dict[str, dict[str, object]]] = {}

@@ -26,10 +26,12 @@ import logging
 import threading
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from loaderplug.settings import from_env
 
 from . import hub_commits, hub_mirror
+from .hub_calls import cache_folder, mirror_for
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +51,28 @@ _pending: list[LocalCommit] = []
 _busy = False  # the fill thread is publishing one
 _cond = threading.Condition()
 _worker: threading.Thread | None = None
+
+
+def offer_from(options: dict[str, Any], found: Path | None) -> None:
+    """Have the mirror filled from the local cache, in the background, with the commit a
+    lookup found (``found``, a file of its snapshot) or the call's revision names in the
+    cache. Never fails the call."""
+    try:
+        settings = from_env()
+        mirror = mirror_for(options, settings)
+        if mirror is None or not settings.sync:
+            return
+        cache = cache_folder(options)
+        revision = hub_commits.revision(options)
+        commit = (
+            hub_commits.snapshot_commit(cache, found)
+            if found
+            else hub_mirror.resolve_commit(cache, revision)
+        )
+        if commit is not None:
+            offer(LocalCommit(cache, mirror, commit))
+    except Exception as exc:  # the call was answered: the mirror's fill is a bonus
+        log.warning("loaderplug: the mirror will not be filled from the local cache: %s", exc)
 
 
 def offer(commit: LocalCommit) -> None:

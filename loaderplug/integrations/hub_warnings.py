@@ -1,0 +1,48 @@
+"""What the Hub hook says: once per mirror, repo and reason in a process, since a load
+makes many calls (a config, a tokenizer, each shard) that would each say the same."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from pathlib import Path
+from typing import Any
+
+from . import hub_commits
+
+log = logging.getLogger(__name__)
+
+_said: set[tuple[str, str, str]] = set()
+_said_lock = threading.Lock()
+
+
+def say_once(mirror: Path, options: dict[str, Any], why: str, message: str, *args: Any) -> None:
+    """One warning per mirror, repo and reason in a process."""
+    key = (str(mirror), str(options["repo_id"]), why)
+    with _said_lock:
+        if key in _said:
+            return
+        _said.add(key)
+    log.warning(message, *args)
+
+
+def skip(mirror: Path, options: dict[str, Any], why: str) -> None:
+    """Say why the mirror is not used for this call (the original then runs)."""
+    offline = hub_commits.offline(options)
+    then = "huggingface_hub's own cache answers" if offline else "downloading it"
+    say_once(
+        mirror,
+        options,
+        why,
+        "loaderplug: not using the mirror %s for %s: %s; %s",
+        mirror,
+        hub_commits.RepoRevision.of(options),
+        why,
+        then,
+    )
+
+
+def some(refused: dict[str, str]) -> str:
+    """The first few refused files and why, for a message that gives their number."""
+    listed = "; ".join(f"{p}: {why}" for p, why in list(refused.items())[:3])
+    return listed + (f"; and {len(refused) - 3} more" if len(refused) > 3 else "")
