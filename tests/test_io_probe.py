@@ -163,26 +163,45 @@ def test_the_storage_bench_measures_the_mount_again_and_keeps_it(big: Path) -> N
 def test_processes_probing_one_new_mount_at_once_agree_and_leave_one_valid_file(
     big: Path, tmp_path: Path
 ) -> None:
-    """8 processes find the mount unmeasured at once and each measures it: the first
-    measurement kept is the one every process uses, and the file is one valid table."""
+    """8 processes find the mount unmeasured at once and each measures it (each with a
+    cold file of its own: a file another process just read is warm, and a warm file is
+    read as the guess says): the first measurement kept is the one every process uses,
+    and the file is one valid table."""
     import subprocess
     import sys
 
+    # Each process's measurement says what its index says (a real probe runs first), so
+    # processes that each kept their own would disagree.
     code = (
-        "import sys; from loaderplug.storage.io_policy import decide\n"
+        "import dataclasses, sys\n"
+        "from loaderplug.storage import io_probe\n"
+        "from loaderplug.storage.io_policy import decide\n"
+        "real_probe = io_probe.probe\n"
+        "def probe(*args):\n"
+        "    found = real_probe(*args)\n"
+        "    return dataclasses.replace(found, direct=int(sys.argv[2]) % 2 == 1)\n"
+        "io_probe.probe = probe\n"
         "policy = decide(sys.argv[1], 'auto', measure=True)\n"
         "print(policy.direct, policy.reason)\n"
     )
     env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    files = []
+    for i in range(8):
+        folder = big.parent.parent / f"data{i}"
+        folder.mkdir()
+        files.append(big.rename(folder / big.name) if i == 0 else folder / big.name)
+        if i:
+            files[i].write_bytes(os.urandom(io_probe.SMALLEST_PROBED + 16 * MiB))
+        drop_from_page_cache(files[i])
     procs = [
         subprocess.Popen(
-            [sys.executable, "-c", code, str(big)],
+            [sys.executable, "-c", code, str(file), str(index)],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
             env=env,
         )
-        for _ in range(8)
+        for index, file in enumerate(files)
     ]
     said = [p.communicate(timeout=300) for p in procs]
     assert all(p.returncode == 0 for p in procs), [err[-500:] for _, err in said]
