@@ -8,7 +8,8 @@
 * `loaderplug.testing.hub`: a local stand-in for the Hugging Face Hub;
 * `loaderplug.testing.tiny_llama`: a tiny Llama for vLLM and transformers;
 * `loaderplug.testing.vllm_runner`: vLLM on the CPU, its recipe and its cases;
-* `loaderplug.testing.crash`: kill trials and soaks; `slowed`: the CLI with slowed reads.
+* `loaderplug.testing.crash`: kill trials and soaks; `slowed`: the CLI with slowed reads;
+* `loaderplug.testing.hosts`: several hosts on one machine (namespaces, shaped links).
 
 Nothing is imported here: ``python -m loaderplug.testing.fuse_server`` runs this
 package's ``__init__`` first, and the server should load no more than it needs.
