@@ -43,11 +43,13 @@ WEIGHT_PATTERNS = (
 
 @dataclass(frozen=True)
 class Call:
-    """One download call, bound to its original's parameters."""
+    """One download call, bound to its original's parameters; or a cache lookup, as the
+    download that would have put the file in the cache (served by the mirror alone)."""
 
     original: Callable[..., Any]
     bound: inspect.BoundArguments
     file: str | None  # hf_hub_download's repo path; None for a snapshot
+    lookup: bool = False  # a lookup asks the Hub nothing and writes nothing to the mirror
 
     @property
     def options(self) -> dict[str, Any]:

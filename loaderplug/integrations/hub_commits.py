@@ -112,6 +112,18 @@ def pinned(options: dict[str, Any], mirror: Path | None, settings: Settings) -> 
         return commit
 
 
+def known(options: dict[str, Any], mirror: Path) -> str | None:
+    """The commit a cache lookup takes for the call's repo and revision, learned from no
+    one: the revision if it is a commit, this process's pin, else the mirror's ref (not
+    pinned: the next download still asks the Hub, as :func:`pinned` says)."""
+    key = RepoRevision.of(options)
+    if hub_mirror.COMMIT.match(key.revision):
+        return key.revision
+    with _pins_lock:
+        commit = _pins.get(key)
+    return commit or hub_mirror.resolve_commit(mirror, key.revision)
+
+
 def forget_pins() -> None:
     """Forget every pin and outage (a long-lived process that wants the Hub's news)."""
     with _pins_lock:

@@ -1,22 +1,24 @@
 """The mirror filled from what a worker already has: a local Hugging Face cache that holds
 a commit the mirror lacks (a warm node, a cache baked into an image) is published to the
-mirror, with no request to the Hub for a file.
+mirror, with no request to the Hub.
 
 A warm worker makes no download: transformers finds each file with
 ``try_to_load_from_cache`` and reads it where it is, so a mirror filled only after
 downloads would never hear of it, and every other worker would keep downloading. So the
-hook's lookups and its downloads answered from the local cache :func:`offer` the commit
-they saw; a thread of its own then publishes it (:func:`fill`) while the worker goes on
-loading: the lookup itself stays a lookup, as quick as stock's.
+hook's lookups and its downloads answered from the local cache :func:`offer` what they
+saw; a thread of its own then finds the mirror and the commit and publishes it
+(:func:`fill`) while the worker goes on loading: the lookup itself stays a lookup, as
+quick as stock's, and does nothing in the caller's thread but hand the offer over.
 
 The publish is the mirror's usual sync (:func:`.hub_mirror.sync_snapshot`): blobs first,
 each hashed against its name, the commit's file listing, the snapshot's links, the ref
 last, under the mirror's sync mark: a worker killed midway leaves no half snapshot, and
-the next one resumes. Only files the local cache holds are published, against the
-commit's listing from the local cache (or, where the cache lacks one and the Hub can be
-asked, one ``list_repo_tree`` request); with neither, nothing is published, said once.
-A process that exits while a publish runs finishes it first (Ctrl-C leaves it, as any
-sync).
+the next one resumes. Only files the local cache holds are published, checked against
+the commit's listing in the local cache. A cache without that listing (huggingface_hub
+writes it for a snapshot download, not always for single files) publishes nothing: a
+lookup never asks the Hub, so the fill is left to the next download of the repo, which
+may ask it for the listing (said at debug). A process that exits while a publish runs
+finishes it first (Ctrl-C leaves it, as any sync).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from loaderplug.settings import from_env
 
 from . import hub_commits, hub_mirror
 from .hub_calls import cache_folder, mirror_for
+from .hub_warnings import cause, failed
 
 log = logging.getLogger(__name__)
 
@@ -46,49 +49,53 @@ class LocalCommit:
     commit: str
 
 
-_offered: set[tuple[Path, str]] = set()
-_pending: list[LocalCommit] = []
-_busy = False  # the fill thread is publishing one
+@dataclass(frozen=True)
+class _Offer:
+    """What a call saw in the local cache: its options, and the file a lookup found there
+    (None: the commit the call's revision names in the cache)."""
+
+    options: dict[str, Any]
+    found: Path | None
+
+
+_seen: set[tuple[str, ...]] = set()  # offers handed over (one per repo, cache, commit)
+_offered: set[tuple[Path, str]] = set()  # commits taken up by the fill thread
+_pending: list[_Offer] = []
+_busy = False  # the fill thread is working on one
 _cond = threading.Condition()
 _worker: threading.Thread | None = None
 
 
-def offer_from(options: dict[str, Any], found: Path | None) -> None:
-    """Have the mirror filled from the local cache, in the background, with the commit a
-    lookup found (``found``, a file of its snapshot) or the call's revision names in the
-    cache. Never fails the call."""
-    try:
-        settings = from_env()
-        mirror = mirror_for(options, settings)
-        if mirror is None or not settings.sync:
-            return
-        cache = cache_folder(options)
-        revision = hub_commits.revision(options)
-        commit = (
-            hub_commits.snapshot_commit(cache, found)
-            if found
-            else hub_mirror.resolve_commit(cache, revision)
-        )
-        if commit is not None:
-            offer(LocalCommit(cache, mirror, commit))
-    except Exception as exc:  # the call was answered: the mirror's fill is a bonus
-        log.warning("loaderplug: the mirror will not be filled from the local cache: %s", exc)
-
-
-def offer(commit: LocalCommit) -> None:
-    """Publish ``commit`` to the mirror on the fill thread, once per process, unless the
-    mirror holds it already. Returns at once."""
+def offer(options: dict[str, Any], found: Path | None = None) -> None:
+    """Have the mirror filled from the local cache with what a call saw there: the commit
+    of ``found`` (a file of a snapshot a lookup found), or the commit the call's revision
+    names in the cache. Returns at once: the mirror is found, and the commit published,
+    on the fill thread (once per commit and process, unless the mirror holds it)."""
     global _worker
+    key = _offer_key(options, found)
     with _cond:
-        if (commit.mirror, commit.commit) in _offered:
+        if key in _seen:
             return
-        _offered.add((commit.mirror, commit.commit))
-        _pending.append(commit)
+        _seen.add(key)
+        _pending.append(_Offer(dict(options), found))
         _cond.notify_all()
         if _worker is None:
             _worker = threading.Thread(target=_fill_offered, name="loaderplug-fill", daemon=True)
             _worker.start()
             atexit.register(wait)
+
+
+def _offer_key(options: dict[str, Any], found: Path | None) -> tuple[str, ...]:
+    """What tells two offers apart, cheap enough for a lookup: the repo, the cache, the
+    revision, and the snapshot folder of the file found."""
+    snapshot = str(found).partition("/snapshots/")[2].split("/", 1)[0] if found else ""
+    return (
+        str(options.get("cache_dir")),
+        hub_commits.repo_type(options),
+        str(options["repo_id"]),
+        hub_commits.revision(options),
+        snapshot,
+    )
 
 
 def wait() -> None:
@@ -104,22 +111,57 @@ def _fill_offered() -> None:
         with _cond:
             while not _pending:
                 _cond.wait()
-            commit = _pending.pop(0)
+            offered = _pending.pop(0)
             _busy = True
         try:
-            fill(commit)
-        except Exception as exc:
-            log.warning(
-                "loaderplug: the mirror %s was not filled from the local cache %s (commit %s): %s",
-                commit.mirror,
-                commit.cache,
-                commit.commit,
+            _take_up(offered)
+        except Exception as exc:  # the call was answered: the mirror's fill is a bonus
+            failed(
+                "fill",
+                offered.options,
                 exc,
+                "loaderplug: the mirror was not filled with %s from the local cache %s (%s)",
+                offered.options["repo_id"],
+                offered.options.get("cache_dir") or "(the default cache)",
+                cause(exc),
             )
         finally:
             with _cond:
                 _busy = False
                 _cond.notify_all()
+
+
+def _take_up(offered: _Offer) -> None:
+    """Find the mirror and the commit of an offer, and publish the commit once."""
+    settings = from_env()
+    mirror = mirror_for(offered.options, settings)
+    if mirror is None or not settings.sync:
+        return
+    cache = cache_folder(offered.options)
+    if offered.found is not None:
+        commit = hub_commits.snapshot_commit(cache, offered.found)
+    else:
+        commit = hub_mirror.resolve_commit(cache, hub_commits.revision(offered.options))
+    if commit is None:
+        return
+    with _cond:
+        if (mirror, commit) in _offered:
+            return
+        _offered.add((mirror, commit))
+    local = LocalCommit(cache, mirror, commit)
+    if hub_mirror.read_listing(cache, commit) is None:
+        with _cond:
+            _offered.discard((mirror, commit))  # a later offer may find a listing
+        log.debug(
+            "loaderplug: the local cache %s holds commit %s but no file listing of it: the "
+            "mirror is not filled from it here (a lookup asks the Hub nothing); the next "
+            "download of %s fills it, asking the Hub for the listing",
+            cache,
+            commit,
+            offered.options["repo_id"],
+        )
+        return
+    fill(local)
 
 
 def fill(commit: LocalCommit) -> bool:
@@ -128,9 +170,7 @@ def fill(commit: LocalCommit) -> bool:
     settings = from_env()
     listing = hub_mirror.read_listing(commit.cache, commit.commit)
     if listing is None:
-        listing = _listing_from_the_hub(commit)
-        if listing is None:
-            return False
+        return False  # nothing can be checked: see the module doc
     held = _held_locally(commit, listing)
     on_mirror = hub_mirror.read_listing(commit.mirror, commit.commit)
     if on_mirror is not None:
@@ -171,31 +211,3 @@ def _held_locally(commit: LocalCommit, listing: dict[str, hub_mirror.RepoFile]) 
     """The paths of the listing whose blob the local cache holds, at the listed size."""
     selection = hub_mirror.check_selection(commit.cache, commit.commit, sorted(listing), listing)
     return [f.path for f in selection.usable]
-
-
-def _listing_from_the_hub(commit: LocalCommit) -> dict[str, hub_mirror.RepoFile] | None:
-    """The commit's listing, kept in the local cache, where the Hub can give it now (one
-    request, not for a file); None (said) where it cannot."""
-    kind, repo_id = _repo_of(commit.cache)
-    options = {"repo_id": repo_id, "repo_type": kind, "revision": commit.commit}
-    raw, why = hub_commits.fetch_listing(commit.commit, options)
-    if raw is not None:
-        hub_mirror.write_listing(commit.cache, commit.commit, raw, fsync=False)
-        listing = hub_mirror.read_listing(commit.cache, commit.commit)
-        if listing is not None:
-            return listing
-        why = "the Hub's listing is not one huggingface_hub would keep"
-    log.info(
-        "loaderplug: the local cache %s holds commit %s but no file listing of it, and the "
-        "Hub cannot give one (%s): the mirror is not filled from it",
-        commit.cache,
-        commit.commit,
-        why,
-    )
-    return None
-
-
-def _repo_of(cache: Path) -> tuple[str, str]:
-    """The repo type and id of a cache folder (``models--org--name``: model, org/name)."""
-    kind, *name = cache.name.split("--")
-    return kind.removesuffix("s"), "/".join(name)

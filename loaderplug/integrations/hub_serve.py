@@ -85,7 +85,7 @@ def from_mirror(mirror: Path, call: Call, commit: str, settings: Settings) -> st
         return None
     if call.file is not None and not selection.usable:
         return None
-    if served.listed and settings.sync:
+    if served.listed and settings.sync and not call.lookup:
         _complete_mirror_snapshot(mirror, selection)
     if local_dir is not None:
         _record_local_dir_downloads(target, selection)
@@ -175,8 +175,8 @@ def _what_the_mirror_serves(
     """The files of this call the mirror holds at ``commit``, or None (said why) where it
     cannot serve it. A snapshot without a listing (a mirror written before
     huggingface_hub 1.22 kept them) gets its listing from the Hub, with one request, kept
-    on the mirror for the next worker; where the Hub cannot give it, the snapshot is
-    served as it is."""
+    on the mirror for the next worker; where the Hub cannot give it, or for a cache
+    lookup, which asks it nothing, the snapshot is served as it is."""
     options = call.options
     choose = chooser(call)
     if not mirror.is_dir():
@@ -193,7 +193,9 @@ def _what_the_mirror_serves(
     if not (mirror / "snapshots" / commit).is_dir():
         skip(mirror, options, _why_no_snapshot(mirror, options, commit))
         return None
-    fetched, unchecked = hub_commits.fetch_listing(commit, options)
+    fetched, unchecked = None, "a cache lookup asks the Hub nothing"
+    if not call.lookup:
+        fetched, unchecked = hub_commits.fetch_listing(commit, options)
     if fetched is not None:
         listing, problem = hub_mirror.parse_listing(
             {"format_version": seam.LISTING_FORMAT, "files": fetched}

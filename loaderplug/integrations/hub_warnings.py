@@ -46,3 +46,27 @@ def some(refused: dict[str, str]) -> str:
     """The first few refused files and why, for a message that gives their number."""
     listed = "; ".join(f"{p}: {why}" for p, why in list(refused.items())[:3])
     return listed + (f"; and {len(refused) - 3} more" if len(refused) > 3 else "")
+
+
+def cause(exc: BaseException) -> str:
+    """An exception as a message names its cause: its type and what it says."""
+    return f"{type(exc).__name__}: {exc}"
+
+
+_failures: set[tuple[str, str, str]] = set()
+
+
+def failed(
+    work: str, options: dict[str, Any], exc: BaseException, message: str, *args: Any
+) -> None:
+    """A failure of the hook's own work (``work``: serving from the mirror, filling it),
+    which the call it came with never sees: a warning once per repo (and local cache) in
+    a process, since a load's many calls would each fail alike; the traceback at debug,
+    each time."""
+    key = (work, str(options.get("cache_dir")), str(options["repo_id"]))
+    with _said_lock:
+        first = key not in _failures
+        _failures.add(key)
+    if first:
+        log.warning(message, *args)
+    log.debug("loaderplug: the traceback of %s's failure (%s)", work, cause(exc), exc_info=exc)

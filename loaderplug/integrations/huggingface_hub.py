@@ -29,10 +29,18 @@ What a call does:
    and what it downloaded is copied to the mirror, unless ``LOADERPLUG_SYNC=off``. The
    copy runs before the call returns: a short-lived worker that exited mid-copy would
    leave nothing usable, and the first worker pays for it once per model.
-4. Any failure on the mirror path falls back to the original with one warning, and a
-   failed copy to the mirror never fails the caller's download. A mirror blob of the
-   wrong size or content is refused, and that file is downloaded instead. A mirror that
-   is skipped says why in one warning.
+4. Any failure on the mirror path falls back to the original, and a failed copy to
+   the mirror never fails the caller's download: each says its cause in one warning per
+   repo (the traceback at debug). A mirror blob of the wrong size or content is
+   refused, and that file is downloaded instead. A mirror that is skipped says why in
+   one warning.
+
+``try_to_load_from_cache`` stays the lookup its callers take it for: it asks the Hub
+nothing and writes nothing to the mirror. Where the local cache answers, its answer is
+the original's, and the commit it found is offered to the background fill of the
+mirror (:mod:`.hub_fill`), which publishes only what the local cache can check against
+its own listing. Where it does not, the mirror answers if it holds the file (at the
+commit this process pinned, else the mirror's ref), as a cache would.
 
 The mirror is a Hub cache as huggingface_hub writes it, the shared Xet store of
 huggingface_hub >= 2.x included (:mod:`.hub_mirror`). A mirror written before
@@ -49,7 +57,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
-import logging
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -75,6 +82,7 @@ except ImportError as exc:  # pragma: no cover - the message is the point
 from . import hub_commits, hub_fill, hub_install, hub_serve, hub_sync
 from .hub_calls import WEIGHT_PATTERNS, Call, cache_folder, mirror_for, repo_path
 from .hub_commits import offline as _offline
+from .hub_warnings import cause, failed
 
 __all__ = [
     "WEIGHT_PATTERNS",
@@ -92,8 +100,6 @@ __all__ = [
     "try_to_load_from_cache",
     "uninstall",
 ]
-
-log = logging.getLogger(__name__)
 
 
 def _wrap(original: Callable[..., Any], file_call: bool) -> Callable[..., Any]:
@@ -131,25 +137,34 @@ _DOWNLOAD_SIGNATURE = inspect.signature(original_hf_hub_download)
 
 @functools.wraps(original_try_to_load_from_cache)
 def try_to_load_from_cache(*args: Any, **kwargs: Any) -> Any:
-    """``huggingface_hub.try_to_load_from_cache``, where the mirror counts as cache: a
-    file the local cache lacks and the mirror holds at the commit this process uses is
-    hydrated and its path returned (vLLM asks this before it lists a repo's files on the
-    Hub, so a worker starts with the Hub down). Nothing is downloaded from the Hub."""
+    """``huggingface_hub.try_to_load_from_cache``, still a lookup: no request to the Hub
+    and no write to the mirror. A file the local cache holds is answered as stock
+    answers it (its commit offered to the background fill of the mirror,
+    :mod:`.hub_fill`); one it lacks and the mirror holds, at the commit this process
+    uses or else the mirror's, is hydrated and its path returned (vLLM asks this before
+    it lists a repo's files on the Hub, so a worker starts with the Hub down)."""
     found = original_try_to_load_from_cache(*args, **kwargs)
     asked = _LOOKUP_SIGNATURE.bind(*args, **kwargs)
     asked.apply_defaults()
     if isinstance(found, str):
-        hub_fill.offer_from(asked.arguments, Path(found))
+        hub_fill.offer(asked.arguments, Path(found))
     if found is not None:
         return found
     # The download that would have put the file in the cache, served by the mirror alone.
     as_download = _DOWNLOAD_SIGNATURE.bind(**asked.arguments)
     as_download.apply_defaults()
-    call = Call(original_hf_hub_download, as_download, repo_path(str(asked.arguments["filename"])))
+    file = repo_path(str(asked.arguments["filename"]))
+    return _look_in_the_mirror(Call(original_hf_hub_download, as_download, file, lookup=True))
+
+
+def _look_in_the_mirror(call: Call) -> Any:
+    """A lookup the local cache could not answer, answered from the mirror if it can
+    (None, as the original answered, where it cannot)."""
+    mirror: Path | None = None
     try:
         settings = from_env()
         mirror = mirror_for(call.options, settings)
-        commit = hub_commits.pinned(call.options, mirror, settings) if mirror else None
+        commit = hub_commits.known(call.options, mirror) if mirror else None
         if mirror is None or commit is None:
             return None
         return hub_serve.from_mirror(mirror, call, commit, settings)
@@ -157,7 +172,16 @@ def try_to_load_from_cache(*args: Any, **kwargs: Any) -> Any:
         absent.error()  # records .no_exist/ as a download would
         return seam.cached_no_exist()
     except Exception as exc:  # a lookup never fails for the mirror's sake
-        log.debug("loaderplug: the mirror could not answer a cache lookup: %s", exc)
+        failed(
+            "serve",
+            call.options,
+            exc,
+            "loaderplug: the mirror %s could not answer a cache lookup of %s (%s); "
+            "answered as the local cache answers",
+            mirror or "(not found)",
+            call.options["repo_id"],
+            cause(exc),
+        )
         return None
 
 
@@ -181,11 +205,14 @@ def _download(call: Call) -> Any:
     except hub_serve.NotInCommit as absent:
         raise absent.error() from None
     except Exception as exc:
-        log.warning(
+        failed(
+            "serve",
+            options,
+            exc,
             "loaderplug: the mirror %s could not serve %s (%s); downloading it instead",
             mirror or "(not found)",
             options["repo_id"],
-            exc,
+            cause(exc),
         )
         return call.run_original(commit)
     if mirror is None:  # no mirror: the call is the original's alone
@@ -196,17 +223,20 @@ def _download(call: Call) -> Any:
     if commit is not None:
         _keep_local_ref(options, commit, settings)
     if settings.sync and _offline(options) and options.get("local_dir") is None:
-        hub_fill.offer_from(options, None)  # what the local cache answered with
+        hub_fill.offer(options)  # what the local cache answered with
     if settings.sync and not _offline(options):
         try:
             hub_sync.to_mirror(mirror, call, commit, settings)
         except Exception as exc:
-            log.warning(
+            failed(
+                "fill",
+                options,
+                exc,
                 "loaderplug: copying %s to the mirror %s failed (%s); the download itself "
                 "is complete",
                 options["repo_id"],
                 mirror,
-                exc,
+                cause(exc),
             )
     return result
 
