@@ -12,7 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from loaderplug.testing.hosts import SimulatedHosts, host_volumes, hosts_unavailable_reason
+from loaderplug.testing.hosts import (
+    SimulatedHosts,
+    host_volumes,
+    hosts_unavailable_reason,
+    sweep_leftovers,
+)
 from loaderplug.testing.volume import VolumeProfile, fuse_unavailable_reason
 from loaderplug.units import MiB
 
@@ -136,10 +141,39 @@ def test_two_hosts_have_their_own_names_reach_each_other_and_leave_nothing() -> 
 def test_an_exception_inside_still_removes_everything() -> None:
     with pytest.raises(RuntimeError, match="inside"), SimulatedHosts(3, link_mbit=100) as hosts:
         sleeper = hosts[2].popen(["sleep", "600"], own_pids=True)
-        assert len(hosts[2].pids()) >= 1
+        deadline = time.monotonic() + 10
+        while not hosts[2].pids():  # it is in the namespace once nsenter has run
+            assert time.monotonic() < deadline, "the process never entered host 2"
+            time.sleep(0.01)
         raise RuntimeError("inside")
     assert sleeper.returncode is not None
     assert leftovers(hosts) == []
+
+
+def test_torchrun_variables_place_ranks_host_by_host() -> None:
+    hosts = SimulatedHosts(3)  # not entered: the variables need no namespace
+    envs = hosts.torchrun_environments(2, port=29500)
+    assert [e["RANK"] for e in envs] == [str(r) for r in range(6)]
+    assert [e["GROUP_RANK"] for e in envs] == ["0", "0", "1", "1", "2", "2"]
+    assert [e["LOCAL_RANK"] for e in envs] == ["0", "1"] * 3
+    assert {e["MASTER_ADDR"] for e in envs} == {hosts[0].address}
+    assert {(e["WORLD_SIZE"], e["LOCAL_WORLD_SIZE"], e["MASTER_PORT"]) for e in envs} == {
+        ("6", "2", "29500")
+    }
+    assert len({h.address for h in hosts}) == 3
+
+
+def test_a_dead_runs_leftovers_are_swept() -> None:
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    name = f"lphosts-{dead.pid}-0-0"
+    subprocess.run(["ip", "netns", "add", name], check=True)
+    try:
+        assert name in sweep_leftovers()
+    finally:
+        subprocess.run(["ip", "netns", "del", name], capture_output=True)
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert name not in listed
 
 
 def transfer_rate_mbit(hosts: SimulatedHosts, nbytes: int) -> float:
@@ -166,7 +200,7 @@ def test_the_link_rate_is_applied_and_changed_at_run_time() -> None:
         assert rate < 1.5 * 10
 
 
-# slow: a connection waits out its 2 s timeout
+# slow: connections wait out their timeouts (3 s)
 @pytest.mark.slow
 def test_a_stalled_host_times_out_its_peers_until_unstalled() -> None:
     with SimulatedHosts(2, link_mbit=100) as hosts:
@@ -176,6 +210,8 @@ def test_a_stalled_host_times_out_its_peers_until_unstalled() -> None:
         started = time.monotonic()
         assert connect(hosts, 0, 1, "stalled", timeout=2)["error"] == "timeout"
         assert time.monotonic() - started >= 2
+        hosts.set_rate(1, 50)  # a new rate does not revive a stalled host
+        assert connect(hosts, 0, 1, "still stalled", timeout=1)["error"] == "timeout"
         hosts.unstall(1)
         assert connect(hosts, 0, 1, "after")["echo"] == "after"
 

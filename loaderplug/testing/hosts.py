@@ -54,6 +54,7 @@ __all__ = [
     "free_port",
     "host_volumes",
     "hosts_unavailable_reason",
+    "sweep_leftovers",
 ]
 
 INTERFACE = "eth0"  # the host's end of its veth, as seen inside its namespace
@@ -117,9 +118,13 @@ def _alive(pid: int) -> bool:
 
 
 def sweep_leftovers() -> list[str]:
-    """Delete the namespaces and links of runs whose process is gone (a killed test run
-    cannot clean up); the names it deleted."""
+    """Delete the namespaces, links and hosts files of runs whose process is gone (a
+    killed test run cannot clean up); the names it deleted."""
     swept: list[str] = []
+    for folder in Path(tempfile.gettempdir()).glob("lphosts-" + "[0-9a-f]" * 8):
+        if not _alive(int(folder.name[8:14], 16)):
+            shutil.rmtree(folder, ignore_errors=True)
+            swept.append(str(folder))
     netns = _run(["ip", "netns", "list"], check=False).stdout
     for match in re.finditer(rf"^({NETNS_PREFIX}(\d+)-\S+)", netns, re.M):
         if not _alive(int(match.group(2))):
@@ -238,6 +243,7 @@ class SimulatedHosts:
             for i in range(count)
         ]
         self._rates: dict[int, float | None] = {i: link_mbit for i in range(count)}
+        self._stalled: set[int] = set()
         self._built: list[tuple[str, str]] = []  # ("netns" | "link", name), in order made
 
     def __enter__(self) -> SimulatedHosts:
@@ -298,8 +304,8 @@ class SimulatedHosts:
     def _qdisc(self, index: int, qdisc: list[str] | None) -> None:
         """Put ``qdisc`` at the root of both ends of a host's veth (None: the default)."""
         host = self.hosts[index]
-        for tc in (["tc"], ["tc", "-n", host.netns]):
-            dev = host.interface if len(tc) > 1 else host.link
+        ends = ((["tc"], host.link), (["tc", "-n", host.netns], host.interface))
+        for tc, dev in ends:
             if qdisc is None:
                 _run([*tc, "qdisc", "del", "dev", dev, "root"], check=False)
             else:
@@ -309,17 +315,21 @@ class SimulatedHosts:
         self._qdisc(index, None if mbit is None else _tbf(mbit))
 
     def set_rate(self, index: int, mbit: float | None) -> None:
-        """Shape host ``index``'s link to ``mbit`` each way (None: unshaped), now."""
+        """Shape host ``index``'s link to ``mbit`` each way (None: unshaped), now; a
+        stalled host keeps dropping everything and gets the rate when unstalled."""
         self._rates[index] = mbit
-        self._shape(index, mbit)
+        if index not in self._stalled:
+            self._shape(index, mbit)
 
     def stall(self, index: int) -> None:
         """Drop every packet to and from host ``index``, silently: its peers time out."""
         self._qdisc(index, ["blackhole"])
+        self._stalled.add(index)
 
     def unstall(self, index: int) -> None:
         """Give host ``index`` its link back, at the rate it had."""
         self._shape(index, self._rates[index])
+        self._stalled.discard(index)
 
     def names(self) -> tuple[list[str], list[str]]:
         """The namespaces and the root namespace's links these hosts are made of."""
