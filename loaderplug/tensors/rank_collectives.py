@@ -5,6 +5,7 @@ answering (dead, or stuck past ``LOADERPLUG_DISTRIBUTED_TIMEOUT_S``) is a clear
 from __future__ import annotations
 
 import datetime
+import threading
 from typing import Any
 
 from loaderplug.errors import DistributedError, LoaderplugError
@@ -35,15 +36,36 @@ def completed_well(work: Any) -> bool:
 
 
 def abandon(group: Any, work: Any) -> None:
-    """Keep ``group`` and its ``work`` alive for good. A collective left pending when a
-    peer died is not always failed by gloo (a receive from the dead rank can wait for
-    the whole timeout), and freeing its group joins gloo's thread, which waits for that
-    receive: the rank would hang where it raised, or at exit, for up to ten minutes.
-    Never freed, the group costs a thread and a few sockets until the process ends."""
-    import ctypes
+    """Keep ``group`` and its ``work`` until the process ends. A collective left pending
+    when a peer died is not always failed by gloo (a receive from a rank whose sockets
+    outlive it, held open by a child it forked, waits for the whole timeout), and
+    freeing its group joins gloo's threads, which wait for that receive: the rank would
+    hang where it raised, or at exit, for up to ``LOADERPLUG_DISTRIBUTED_TIMEOUT_S``.
+    gloo's own ``abort`` (torch 2.13) leaves such a receive waiting, so nothing ends it
+    early; kept, the group costs a thread and a few sockets until the process ends."""
+    with _ABANDONED_LOCK:
+        _ABANDONED.append((group, work))
+        if not _KEEPER:
+            keeper = threading.Thread(
+                target=_keep, args=(_ABANDONED,), name="loaderplug-abandoned", daemon=True
+            )
+            keeper.start()
+            _KEEPER.append(keeper)
 
-    for kept in (group, work):
-        ctypes.pythonapi.Py_IncRef(ctypes.py_object(kept))
+
+# The collectives given up on, and the thread that keeps them (see :func:`abandon`).
+_ABANDONED: list[tuple[Any, Any]] = []
+_ABANDONED_LOCK = threading.Lock()
+_KEEPER: list[threading.Thread] = []
+
+
+def _keep(kept: list[tuple[Any, Any]]) -> None:
+    """Hold ``kept`` for as long as the process runs. A module's own list is not enough:
+    the interpreter clears modules as it shuts down, which would free the groups and
+    join their threads; a daemon thread's frame is never cleared, so what it holds is
+    never freed and the process exits at once."""
+    threading.Event().wait()
+    raise AssertionError(f"unreachable: {len(kept)} collectives let go")
 
 
 def stopped_answering(exc: BaseException) -> DistributedError:

@@ -11,7 +11,13 @@ from typing import Any, Protocol
 
 from loaderplug.errors import DistributedError, LoaderplugError
 from loaderplug.tensors.peers import PeerWatch
-from loaderplug.tensors.rank_collectives import WAKE, collective, completed_well, stopped_answering
+from loaderplug.tensors.rank_collectives import (
+    WAKE,
+    abandon,
+    collective,
+    completed_well,
+    stopped_answering,
+)
 from loaderplug.tensors.rank_mode import SharingMode
 from loaderplug.tensors.rank_share import Share
 
@@ -93,6 +99,19 @@ class Steps:
                 # A peer's death closes its sockets a moment before it is seen to exit.
                 self.watch.check(wait_s=PEER_EXIT_S)
                 raise stopped_answering(exc) from exc
+
+
+def tear_down(steps: Steps, groups: list[Any]) -> None:
+    """End the load's steps: stop watching the peers and free the load's groups."""
+    import torch.distributed as dist
+
+    # Past the last exchange (or failed everywhere): the peers may exit as they like.
+    steps.watch.close()
+    # The groups are this load's: left behind, their threads abort the process at exit.
+    for group in {id(g): g for g in groups}.values():
+        dist.destroy_process_group(group)
+        if steps.pending is not None:
+            abandon(group, steps.pending)
 
 
 def agreed(steps: Steps, mode: SharingMode) -> SharingMode:

@@ -55,11 +55,10 @@ from loaderplug.tensors.load_plan import load_plan
 from loaderplug.tensors.peers import PeerWatch
 from loaderplug.tensors.rank_batches import STREAM_BATCH, LandedBatches
 from loaderplug.tensors.rank_broadcast import by_broadcast, data_group
-from loaderplug.tensors.rank_collectives import abandon
 from loaderplug.tensors.rank_mode import SharingMode, owners, rank_part, sharing_mode
 from loaderplug.tensors.rank_pagecache import by_page_cache
 from loaderplug.tensors.rank_share import Share, share_for
-from loaderplug.tensors.rank_steps import SharedPairs, Steps, agreed
+from loaderplug.tensors.rank_steps import SharedPairs, Steps, agreed, tear_down
 from loaderplug.tensors.rank_stream import by_stream
 
 __all__ = [
@@ -106,7 +105,7 @@ def shared_tensors(
         handed = FirstHandedOver(pairs)
         yield from handed
     finally:
-        _tear_down(steps, groups)
+        tear_down(steps, groups)
     load.report, load.io_modes = runner.report, runner.io_modes
     # When this rank's consumer had its first tensor (its own first tensor may have
     # landed earlier and waited for a step), from the job's start as in any load.
@@ -161,18 +160,6 @@ def _pairs(
     if mode == "stream":
         return by_stream(runner, steps, files, local, delivery, device)
     return by_broadcast(runner, steps, device, group)
-
-
-def _tear_down(steps: Steps, groups: list[Any]) -> None:
-    import torch.distributed as dist
-
-    # Past the last exchange (or failed everywhere): the peers may exit as they like.
-    steps.watch.close()
-    # The groups are this load's: left behind, their threads abort the process at exit.
-    for group in {id(g): g for g in groups}.values():
-        dist.destroy_process_group(group)
-        if steps.pending is not None:
-            abandon(group, steps.pending)
 
 
 def _sizes(files: list[Path], steps: Steps) -> list[int]:
