@@ -1,4 +1,4 @@
-"""Simulated hosts on one Linux machine: ranks of a group "on" 2-16 hosts, for tests.
+"""Simulated hosts on one Linux machine: ranks of a group "on" up to 16 hosts, for tests.
 
 Ranks spread over several hosts differ from ranks on one host in three ways that a test
 must reproduce: each host has its own network address and link (the collectives cross a
@@ -13,16 +13,18 @@ builds that with the kernel's namespaces, and needs root:
   its upload and its download each get the rate; `SimulatedHosts.stall` swaps both for a
   ``blackhole`` qdisc, which drops every packet without an error: peers time out, as
   they do when a host stops answering;
-* `Host.popen` runs a process in the host's network namespace (``nsenter``) and a new
-  UTS namespace with the host's hostname (``unshare``), optionally with mounts and pids
-  of its own; `Host.kill` kills every process in the namespace;
+* `Host.popen` runs a process in the host's network namespace (``nsenter``), a new
+  UTS namespace with the host's hostname and a new mount namespace whose ``/etc/hosts``
+  names every host (``unshare``), and if asked a pid namespace; `Host.kill` kills
+  every process in the host's network namespace;
 * `host_volumes` mounts a FUSE test volume (`loaderplug.testing.volume`) per host over
   one source folder, each with its own throttle and byte counters, and a local folder.
 
 Names carry the pid (and a sequence number), so parallel test runs do not collide, and
-leftovers of a killed run are swept by the next one. Gotchas: a process with mounts of
-its own gets them as a slave copy (``--propagation slave``), so a volume unmounted by
-the test is unmounted there too and its FUSE server can exit; a bridge seen by
+leftovers of a killed run are swept by the next one. Gotchas: a host's process gets its
+mounts as a slave copy (``--propagation slave``; unshare's default, private, would keep
+a volume the test unmounts mounted there, and its FUSE server from exiting); netem is
+not in every kernel, which is why a stall is a blackhole, not a 100% loss; a bridge seen by
 ``br_netfilter`` obeys the root namespace's iptables (a FORWARD policy of DROP cuts the
 hosts apart).
 """
