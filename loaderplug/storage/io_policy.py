@@ -15,6 +15,7 @@ from loaderplug.storage.mounts import (
     MEMORY_TYPES,
     filesystem_type,
     is_buffered_type,
+    mount_identity,
     nearest_existing,
 )
 from loaderplug.storage.residency import WARM_FRACTION, cached_fraction
@@ -63,9 +64,24 @@ def _logical_block_size(dev: int) -> int | None:
     return None
 
 
+# Each mount's O_DIRECT alignment (see mounts.filesystem_type for the key): a job asks
+# for every file it reads, and the answer is the device's.
+_alignments: dict[tuple[int, int | None], int] = {}
+
+
 def direct_io_alignment(path: str | os.PathLike[str]) -> int:
     """O_DIRECT alignment: statx's STATX_DIOALIGN where the kernel and filesystem report
-    it, else the device's logical block size, else 4096."""
+    it, else the device's logical block size, else 4096; the same for a whole mount."""
+    key = mount_identity(path)
+    if key is not None and key in _alignments:
+        return _alignments[key]
+    alignment = _alignment_of(path)
+    if key is not None:
+        _alignments[key] = alignment
+    return alignment
+
+
+def _alignment_of(path: str | os.PathLike[str]) -> int:
     existing = nearest_existing(os.fspath(path))
     dio = _statx_dio(existing)
     if dio is not None and dio[0] and dio[1]:
@@ -83,14 +99,26 @@ def decide(
     """The built-in policy: network and memory filesystems buffered, local block direct;
     with ``measure``, what was measured on the mount wins over that table
     (:mod:`loaderplug.storage.io_probe`)."""
-    guess = _by_type(path, mode)
+    fs_type = filesystem_type(path)
+    # Whether the file is in the page cache is its own, and asked once.
+    cached = _cached(path, fs_type, mode)
+    guess = _by_type(path, mode, fs_type, cached)
     if not measure or mode != "auto" or guess.fs_type in MEMORY_TYPES:
         return guess
-    return measured_policy(os.fspath(path), guess, direct_io_alignment(path))
+    return measured_policy(os.fspath(path), guess, direct_io_alignment(path), cached=cached)
 
 
-def _by_type(path: str | os.PathLike[str], mode: DirectIO) -> IOPolicy:
-    fs_type = filesystem_type(path)
+def _cached(path: str | os.PathLike[str], fs_type: str, mode: DirectIO) -> float | None:
+    """The share of a local block filesystem's file in the page cache, where the policy
+    asks (not for a folder, a forced mode or a filesystem the type decides)."""
+    if mode != "auto" or is_buffered_type(fs_type) or not os.path.isfile(path):
+        return None
+    return cached_fraction(os.fspath(path))
+
+
+def _by_type(
+    path: str | os.PathLike[str], mode: DirectIO, fs_type: str, cached: float | None
+) -> IOPolicy:
     if mode == "off":
         return IOPolicy.buffered(fs_type, "LOADERPLUG_DIRECT_IO=off")
     if mode == "on":
@@ -101,12 +129,10 @@ def _by_type(path: str | os.PathLike[str], mode: DirectIO) -> IOPolicy:
         return IOPolicy.buffered(
             fs_type, f"{fs_type} is a network or userspace filesystem: reads stay buffered"
         )
-    if os.path.isfile(path):
-        cached = cached_fraction(os.fspath(path))
-        if cached is not None and cached >= WARM_FRACTION:
-            # Served from memory, buffered reads beat any disk read; O_DIRECT would
-            # ignore the cached copy and read it from the device again.
-            return IOPolicy.buffered(fs_type, f"{cached:.0%} of it is in the page cache")
+    if cached is not None and cached >= WARM_FRACTION:
+        # Served from memory, buffered reads beat any disk read; O_DIRECT would ignore
+        # the cached copy and read it from the device again.
+        return IOPolicy.buffered(fs_type, f"{cached:.0%} of it is in the page cache")
     return IOPolicy(
         True, direct_io_alignment(path), fs_type, f"{fs_type} is a local block filesystem"
     )

@@ -164,14 +164,23 @@ def _record(key: str, measurement: Measurement, *, replace: bool = False) -> Mea
     return measurement
 
 
-def measured_policy(path: str, guess: IOPolicy, direct_alignment: int) -> IOPolicy:
+# Asks measured_policy to find out how much of the file is in the page cache.
+UNKNOWN: Any = object()
+
+
+def measured_policy(
+    path: str, guess: IOPolicy, direct_alignment: int, *, cached: float | None = UNKNOWN
+) -> IOPolicy:
     """The mount's measured policy for ``path`` (measuring it now if ``path`` is a cold
-    file big enough and the mount has no measurement yet), else ``guess``."""
+    file big enough and the mount has no measurement yet), else ``guess``. ``cached``:
+    the share of the file in the page cache, where the caller has just asked."""
     try:
         key = mount_key(path, guess.fs_type)
     except OSError:
         return guess
-    if os.path.isfile(path) and (cached_fraction(path) or 0.0) >= WARM_FRACTION:
+    if cached is UNKNOWN:
+        cached = cached_fraction(path) if os.path.isfile(path) else None
+    if (cached or 0.0) >= WARM_FRACTION:
         return guess  # served from memory: no measurement of the disk applies
     found = recorded(key)
     sample = _sample(path) if found is None else None
@@ -185,10 +194,31 @@ def measured_policy(path: str, guess: IOPolicy, direct_alignment: int) -> IOPoli
     return IOPolicy(found.direct, alignment, guess.fs_type, found.reason)
 
 
+# Folders whose files are all too small to measure with, by the folder's mtime then: a
+# load of many small files looks for a sample once, not once per file.
+_too_small: dict[str, int] = {}
+
+
 def _sample(path: str) -> str | None:
     """The file to measure with: ``path`` if it is a cold file big enough, else the
     largest such file beside it (a job's first file is often a small config)."""
     folder = path if os.path.isdir(path) else os.path.dirname(path)
+    try:
+        signature: int | None = os.stat(folder).st_mtime_ns
+    except OSError:
+        signature = None
+    known = signature is not None and _too_small.get(folder) == signature
+    if known and _size(path) < SMALLEST_PROBED:
+        return None
+    found, too_small = _largest_cold(path, folder)
+    if too_small and signature is not None:
+        _too_small[folder] = signature
+    return found
+
+
+def _largest_cold(path: str, folder: str) -> tuple[str | None, bool]:
+    """The largest cold file big enough among ``path`` and the files of ``folder``, and
+    whether none was big enough."""
     candidates = [path] if os.path.isfile(path) else []
     try:
         with os.scandir(folder) as entries:
@@ -197,13 +227,13 @@ def _sample(path: str) -> str | None:
                     candidates.append(entry.path)
     except OSError:
         pass
-    for candidate in sorted(set(candidates), key=_size, reverse=True):
+    for i, candidate in enumerate(sorted(set(candidates), key=_size, reverse=True)):
         if _size(candidate) < SMALLEST_PROBED:
-            return None
+            return None, i == 0  # the largest is too small: every file is
         cached = cached_fraction(candidate)
         if cached is not None and cached <= COLDEST_PROBED:
-            return candidate
-    return None
+            return candidate, False
+    return None, not candidates
 
 
 def _size(path: str) -> int:

@@ -110,7 +110,8 @@ def find_mount(path: str | os.PathLike[str], mounts: list[Mount] | None = None) 
     return best
 
 
-def _statfs_type(path: str) -> str | None:
+def _statfs_magic(path: str) -> int | None:
+    """The filesystem's statfs ``f_type`` magic number, or None where it cannot be had."""
     try:
         import ctypes
 
@@ -119,19 +120,51 @@ def _statfs_type(path: str) -> str | None:
         buf = ctypes.create_string_buffer(256)  # struct statfs is 120 bytes on x86_64
         if libc().statfs(os.fsencode(path), buf) != 0:
             return None
-        magic = int.from_bytes(buf.raw[:8], "little") & 0xFFFFFFFF
-        return _MAGIC_TO_TYPE.get(magic)
+        return int.from_bytes(buf.raw[:8], "little") & 0xFFFFFFFF
     except (OSError, AttributeError):
         return None
 
 
+def _statfs_type(path: str) -> str | None:
+    magic = _statfs_magic(path)
+    return _MAGIC_TO_TYPE.get(magic) if magic is not None else None
+
+
+# Each mounted filesystem's type, by its device and statfs magic: what a mount is does
+# not change while it is mounted, and the mount table costs half a millisecond to read,
+# for every file a job decides a policy for. A device number freed by an unmount and
+# given to another filesystem comes with that filesystem's magic: a new key.
+_types: dict[tuple[int, int | None], str] = {}
+
+
+def mount_identity(path: str | os.PathLike[str]) -> tuple[int, int | None] | None:
+    """What names the filesystem serving ``path`` (or its nearest existing parent) for as
+    long as it is mounted: its device and statfs magic; None if it cannot be told."""
+    existing = os.fspath(path)
+    try:
+        device = os.stat(existing).st_dev
+    except OSError:
+        existing = nearest_existing(existing)
+        try:
+            device = os.stat(existing).st_dev
+        except OSError:
+            return None
+    return device, _statfs_magic(existing)
+
+
 def filesystem_type(path: str | os.PathLike[str]) -> str:
     """The filesystem type serving ``path`` (``ext4``, ``nfs4``, ``fuse.geesefs`` ...)."""
+    key = mount_identity(path)
+    known = _types.get(key) if key is not None else None
+    if known is not None:
+        return known
     mount = find_mount(path)
     name = mount.fs_type if mount else ""
     if name in ("", "none", "unknown"):
         existing = nearest_existing(os.fspath(path))
         name = _statfs_type(existing) or name or "unknown"
+    if key is not None and name != "unknown":
+        _types[key] = name
     return name
 
 
