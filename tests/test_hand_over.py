@@ -65,11 +65,22 @@ def test_a_one_pass_frees_each_dropped_tensor_at_once(model: list[Path], tmp_pat
 
 def test_mapped_files_free_each_dropped_tensor_at_once(model: list[Path]) -> None:
     for path in model:
-        path.read_bytes()  # in the page cache: mapped
-    load = iter_tensors(model, direct_io="off", progress=False)
+        path.read_bytes()  # in the page cache, and own local copies: mapped
+    own = str(model[0].parent)
+    load = iter_tensors(model, direct_io="off", progress=False, local_copies=own)
     taken, _ = drop_each(load)
     assert taken == SHARDS * PER_SHARD
     assert all(mode.startswith("mapped") for mode in load.io_modes.values()), load.io_modes
+
+
+def test_files_read_here_free_each_dropped_tensor_at_once(model: list[Path]) -> None:
+    for path in model:
+        path.read_bytes()  # in the page cache: read in the consumer's thread
+    load = iter_tensors(model, direct_io="off", progress=False)
+    taken, grown = drop_each(load)
+    assert taken == SHARDS * PER_SHARD
+    assert grown < SHARDS * PER_SHARD * TENSOR_BYTES // 2, grown
+    assert all(m.startswith("read in the consumer") for m in load.io_modes.values())
 
 
 def test_tensors_read_in_place_free_each_dropped_tensor_at_once(model: list[Path]) -> None:
@@ -115,7 +126,9 @@ def test_through_the_page_cache_each_tensor_is_a_mapping_of_the_file(
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         os.close(fd)
     local = tmp_path / "local" if one_pass else None
-    settings = from_env(direct_io="off", bytes_in_flight="16M", progress=False)
+    # Read in place, the files are own local copies: only those are ever mapped.
+    own = str(tmp_path / "copies" if one_pass else model[0].parent)
+    settings = from_env(direct_io="off", bytes_in_flight="16M", progress=False, local_copies=own)
     plan = load_plan(model, DevicePath("cpu", None), settings, local, through_page_cache=True)
     runner = Runner(plan, settings)
     held = dict(TensorsOf(runner.run()))  # the budget (16 MiB) is less than the model

@@ -135,10 +135,40 @@ def test_a_corrupt_header_is_a_format_error(tmp_path: Path) -> None:
         load_file(bad)
 
 
-def test_a_file_in_the_page_cache_is_mapped_not_copied(shards: list[Path]) -> None:
+def file_mappings() -> list[tuple[int, int]]:
+    """This process's mappings of files: (start, end)."""
+    found = []
+    with open("/proc/self/maps") as f:
+        for line in f:
+            fields = line.split(maxsplit=5)
+            if len(fields) == 6 and fields[5].startswith("/"):
+                start, end = (int(x, 16) for x in fields[0].split("-"))
+                found.append((start, end))
+    return found
+
+
+def test_a_users_file_in_the_page_cache_is_read_here_never_mapped(shards: list[Path]) -> None:
+    """Someone may shrink a user's file under a mapping of it (a SIGBUS then): its
+    tensors are read into the load's own memory, by the consumer's own thread."""
     for p in shards:
         p.read_bytes()  # warm
     load = iter_tensors(shards, progress=False)
+    got = dict(load)
+    assert all(m.startswith("read in the consumer's thread") for m in load.io_modes.values())
+    maps = file_mappings()
+    for name, tensor in got.items():
+        address = tensor.data_ptr()
+        assert not any(start <= address < end for start, end in maps), name
+    expected = reference(shards)
+    assert all(same(got[k], v) for k, v in expected.items())
+    assert load.report is not None
+    assert load.report.bytes_copied == sum(p.stat().st_size for p in shards)
+
+
+def test_an_own_local_copy_in_the_page_cache_is_mapped_not_copied(shards: list[Path]) -> None:
+    for p in shards:
+        p.read_bytes()  # warm
+    load = iter_tensors(shards, progress=False, local_copies=str(shards[0].parent))
     got = dict(load)
     assert all(mode.startswith("mapped") for mode in load.io_modes.values())
     expected = reference(shards)

@@ -2,9 +2,14 @@
 load, and the consumer's side of it.
 
 For each file the runner plans, :class:`TensorDelivery` reads its header (two small
-reads, retried like any read) and gives the runner a tensor sink for it, or, for a file
-that is in memory already (tmpfs, or mostly in the page cache), serves it itself as
-tensors over a mapping. While the engine runs on a thread of its own, :class:`HandOver`
+reads, retried like any read) and gives the runner a tensor sink for it, or serves it
+itself in the consumer's thread: a small file, or one in memory already (tmpfs, or
+mostly in the page cache), is read there into memory of the load's own, with no thread
+to hand its tensors over; one of loaderplug's own published local copies in memory is
+handed over as tensors over a mapping of it. No other file is ever mapped: a tensor
+over a mapping of a file that someone shrinks kills the process that touches it
+(SIGBUS), and only loaderplug's own copies are promised never to be rewritten in place
+(docs/guarantees.md). While the engine runs on a thread of its own, :class:`HandOver`
 gives the consumer each tensor the moment a sink emits it, then tells of each file once
 it is done.
 
@@ -16,11 +21,12 @@ and the consumer keeps a reference to a tensor handed over.
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 import time
-from collections.abc import Callable, Generator, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Generator, Iterator, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -29,7 +35,9 @@ from loaderplug.engine.buffers import Opener
 from loaderplug.engine.file_task import EngineStats
 from loaderplug.engine.retry import RetryPolicy, retrying
 from loaderplug.engine.sinks import Sink
+from loaderplug.engine.sizing import default_sizing
 from loaderplug.errors import FileError, LoaderplugError
+from loaderplug.jobs.file_sink import is_temp_name
 from loaderplug.jobs.partial import partial_for
 from loaderplug.jobs.plan import FileEntry
 from loaderplug.settings import Settings
@@ -40,8 +48,14 @@ from loaderplug.tensors.device_path import DevicePath
 from loaderplug.tensors.device_sink import DeviceTensorSink
 from loaderplug.tensors.header import Header
 from loaderplug.tensors.header_reads import read_header
-from loaderplug.tensors.sinks import MappedTensors, PageCacheTensorSink, TensorSink
-from loaderplug.types import FileResult, IOPolicy
+from loaderplug.tensors.sinks import (
+    MappedTensors,
+    PageCacheTensorSink,
+    ReadTensors,
+    TensorSink,
+)
+from loaderplug.types import FileResult, IOPolicy, Source
+from loaderplug.units import MiB
 
 
 @dataclass(frozen=True)
@@ -71,8 +85,21 @@ class Idle:
 Event = TensorReady | FileFinished | Idle
 
 
+@dataclass(frozen=True)
+class HereFile:
+    """A file the delivery serves in the consumer's thread: ``status`` ``mapped`` (an
+    own local copy in memory) or ``loaded`` (read there); ``tensors`` starts serving
+    it."""
+
+    rel: str
+    header: Header
+    status: str
+    tensors: Callable[[], Iterator[tuple[str, Any]]]
+
+
 class TensorDelivery:
-    """A load's delivery (see :class:`loaderplug.jobs.plan.Delivery`)."""
+    """A load's delivery (see :class:`loaderplug.jobs.plan.Delivery`). ``own_copies``:
+    the folders of loaderplug's own published local copies, the only files it maps."""
 
     served_as = "mapped"
 
@@ -83,23 +110,30 @@ class TensorDelivery:
         *,
         may_map: bool = True,
         through_page_cache: bool = False,
+        own_copies: Sequence[Path] = (),
     ) -> None:
         self.device = device
         self.retry = RetryPolicy.of(settings)
         self.retries = 0
+        self.sizing = default_sizing(settings)  # what a load with no engine reports
         # Host memory for tensors being assembled or not yet taken by the consumer; a
         # load with a device backend holds pinned buffers instead, as many bytes at most.
         self.budget = MemoryBudget(settings.bytes_in_flight)
         self.staged = device.backend is not None
         self.may_map = may_map and device.on_host
+        self.serves_here = may_map and not self.staged
+        # A file smaller than this is read in the consumer's thread, whatever its cache.
+        self.small_file = min(settings.split_threshold_bytes, SMALL_FILE)
+        self._own_copies = tuple(_real(p) for p in own_copies)
         # Ranks sharing a host's page cache: files are read into it (or, in a one pass,
         # written to the copy through it) and handed over as mappings of it (see
         # PageCacheTensorSink), outside the budget.
         self.through_page_cache = through_page_cache and self.may_map
         self._in_page_cache: set[str] = set()  # files handed over so, by name in the job
-        self.mapped: list[tuple[str, Header]] = []
+        self.served_here: list[HereFile] = []
         self.headers: dict[str, Header] = {}  # every file's, by its name in the job
         self.results: list[FileResult] = []
+        self.bytes_read_here = 0
         self.first_tensor_s: float | None = None
         self.started: float | None = None
         # Events from the engine's threads for the consumer's; None: the engine is done;
@@ -117,8 +151,7 @@ class TensorDelivery:
             self.started = time.monotonic()
         header = self._read_header(entry, policy, open_source)
         self.headers[entry.rel] = header
-        if entry.copy_to is None and self._maps(policy, entry.source):
-            self.mapped.append((entry.rel, header))
+        if entry.copy_to is None and self._serve_here(entry, policy, header, open_source):
             return None
         rel = entry.rel
 
@@ -133,23 +166,55 @@ class TensorDelivery:
             return PageCacheTensorSink(header, emit, pages)
         return TensorSink(header, self.device, emit, self.budget)
 
+    def _serve_here(
+        self, entry: FileEntry, policy: IOPolicy, header: Header, open_source: Opener
+    ) -> bool:
+        """Serve the file in the consumer's thread if it is small or in memory already
+        (mapped if it is an own local copy); :attr:`served_as` says how."""
+        in_memory = self._in_memory(policy, entry.source)
+        if in_memory and self.may_map and self.is_own_copy(entry.source):
+            self.served_as = "mapped"
+            self.served_here.append(
+                HereFile(entry.rel, header, "mapped", lambda: MappedTensors(header))
+            )
+            return True
+        if not self.serves_here or not (in_memory or entry.identity.size < self.small_file):
+            return False
+        self.served_as = "read in the consumer's thread"
+        reads = _Reads(self, entry, policy, open_source)
+        self.served_here.append(
+            HereFile(entry.rel, header, "loaded", lambda: reads.tensors(header))
+        )
+        return True
+
+    def is_own_copy(self, path: Path) -> bool:
+        """Whether ``path`` is one of loaderplug's own published local copies, which
+        nothing rewrites in place: a copy is replaced by a rename, never truncated."""
+        if not self._own_copies or is_temp_name(path.name):
+            return False
+        real = _real(path)
+        return any(real.is_relative_to(folder) for folder in self._own_copies)
+
     def _shared_pages(self, entry: FileEntry, policy: IOPolicy) -> str | None:
         """With :attr:`through_page_cache`, the file whose page cache the tensors are to
         be views of: the copy a one pass writes (its folder is on a local filesystem:
-        the load's planner checked), or the file read in place if it is read buffered
-        from a local filesystem; else None."""
+        the load's planner checked), or an own local copy read in place if it is read
+        buffered from a local filesystem; else None (any other file may shrink under
+        its mapping)."""
         if not self.through_page_cache:
             return None
         if entry.copy_to is not None:
             return str(partial_for(entry.copy_to))
-        return str(entry.source) if self._buffered(policy) else None
+        if self._buffered(policy) and self.is_own_copy(entry.source):
+            return str(entry.source)
+        return None
 
-    def _maps(self, policy: IOPolicy, path: Path) -> bool:
+    def _in_memory(self, policy: IOPolicy, path: Path) -> bool:
         """Whether the file's bytes are in memory already (tmpfs, or a local file mostly
-        in the page cache): mapping them then beats copying them. A file that is not is
-        read, whatever the policy: its mapping's first touches would read it a page
-        fault at a time, slower than the engine's parallel reads."""
-        if not self.may_map or not self._buffered(policy):
+        in the page cache): they are then read, or mapped, faster than the engine's
+        threads hand them over. A file that is not is read by the engine, whatever the
+        policy: a mapping's first touches would read it a page fault at a time."""
+        if not self._buffered(policy):
             return False
         if policy.fs_type in MEMORY_TYPES:
             return True
@@ -226,10 +291,73 @@ class TensorDelivery:
             self.budget.release(event.tensor.untyped_storage().nbytes())
 
 
+# Files under this size are read in the consumer's thread (see TensorDelivery), unless
+# the split threshold is smaller: waking a reader and handing its tensors back costs
+# more than the read.
+SMALL_FILE = 8 * MiB
+
+
+def _real(path: Path) -> Path:
+    return Path(os.path.realpath(path))
+
+
+class _Reads:
+    """A file read in the consumer's thread: its source opened at the first read, each
+    read retried like the engine's and followed by a check that the file is still the
+    one listed."""
+
+    def __init__(
+        self, delivery: TensorDelivery, entry: FileEntry, policy: IOPolicy, open_source: Opener
+    ) -> None:
+        self._delivery, self._entry, self._policy = delivery, entry, policy
+        self._open_source = open_source
+        self._source: Source | None = None
+
+    def tensors(self, header: Header) -> ReadTensors:
+        return ReadTensors(header, self._delivery.device, self.read, on_close=self.close)
+
+    def read(self, view: memoryview, offset: int) -> int:
+        path, delivery = str(self._entry.source), self._delivery
+
+        def attempt() -> int:
+            if self._source is None:
+                self._source = self._open_source(path, self._policy)
+            try:
+                got = self._source.pread_into(view, offset)
+                now = self._source.identity()
+            except OSError:
+                self.close()  # the next attempt opens it again
+                raise
+            if not now.matches(self._entry.identity, inode=self._policy.stable_inodes):
+                raise FileError(
+                    f"{path}: changed while it was read (now {now.describe()})", path=path
+                )
+            return got
+
+        def give_up(exc: OSError, attempts: int | None) -> FileError:
+            tries = f" after {attempts} attempts" if attempts else ""
+            return FileError(
+                f"{path}: reading it failed{tries}: {exc.strerror or exc}",
+                path=path,
+                errno=exc.errno,
+            )
+
+        got, retries = retrying(attempt, delivery.retry, give_up)
+        delivery.retries += retries
+        delivery.bytes_read_here += min(got, len(view))
+        return got
+
+    def close(self) -> None:
+        source, self._source = self._source, None
+        if source is not None:
+            source.close()
+
+
 class HandOver(Generator[Event, None, "EngineStats | None"]):
-    """The consumer's side of a load: the mapped files' tensors first, then the engine's,
-    each as it completes, and each file once it is done. Its return value (through
-    ``yield from``) is the engine's stats.
+    """The consumer's side of a load: the tensors of the files served in its own thread
+    first, then the engine's, each as it completes, and each file once it is done. Its
+    return value (through ``yield from``) is the engine's stats, with the bytes read in
+    the consumer's thread counted in.
 
     Closing it (the consumer stopped early) or an error cancels the engine and waits for
     its threads, so every unfinished file's sinks are aborted before it returns."""
@@ -243,8 +371,8 @@ class HandOver(Generator[Event, None, "EngineStats | None"]):
     ) -> None:
         self._delivery = delivery
         self._run_engine, self._cancel, self._notify = run_engine, cancel, notify
-        self._mapped = iter(delivery.mapped)
-        self._file: tuple[str, Header, Iterator[tuple[str, Any]]] | None = None
+        self._here = iter(delivery.served_here)
+        self._file: tuple[HereFile, Iterator[tuple[str, Any]]] | None = None
         self._worker: threading.Thread | None = None
         self._outcome: dict[str, Any] = {}
         self._done = False
@@ -274,26 +402,39 @@ class HandOver(Generator[Event, None, "EngineStats | None"]):
         self._stop()
 
     def _next_mapped(self) -> Event | None:
-        """The next event of the mapped files, None once they are all handed over."""
+        """The next event of the files served here, None once they are all handed over.
+        A file that fails there is told as failed, like one the engine read."""
         while True:
             if self._file is None:
-                nxt = next(self._mapped, None)
-                if nxt is None:
+                here = next(self._here, None)
+                if here is None:
                     return None
-                rel, header = nxt
-                self._file = (rel, header, MappedTensors(header))
-            rel, header, tensors = self._file
-            item = next(tensors, None)
+                self._file = (here, here.tensors())
+            here, tensors = self._file
+            try:
+                item = next(tensors, None)
+            except (LoaderplugError, OSError) as exc:
+                self._close_file()
+                return self._finished(FileResult(here.rel, "failed", reason=str(exc)))
             if item is not None:
-                return self._handed(TensorReady(rel, *item))
+                return self._handed(TensorReady(here.rel, *item))
             self._file = None
-            result = FileResult(rel, "mapped", header.size)
-            self._delivery.results.append(result)
-            return FileFinished(result)
+            return self._finished(FileResult(here.rel, here.status, here.header.size))  # type: ignore[arg-type]
+
+    def _finished(self, result: FileResult) -> FileFinished:
+        self._delivery.results.append(result)
+        return FileFinished(result)
+
+    def _close_file(self) -> None:
+        """Stop serving the file being served here: its unserved memory goes back."""
+        file, self._file = self._file, None
+        close = getattr(file[1], "close", None) if file is not None else None
+        if close is not None:
+            close()
 
     def _next_from_engine(self) -> Event:
         if self._run_engine is None:
-            raise StopIteration(None)
+            raise StopIteration(self._counted(None))
         if self._worker is None:
             self._start()
         delivery = self._delivery
@@ -309,11 +450,23 @@ class HandOver(Generator[Event, None, "EngineStats | None"]):
             self._stop()
             if "error" in self._outcome:
                 raise self._outcome["error"]
-            raise StopIteration(self._outcome["stats"])
+            raise StopIteration(self._counted(self._outcome["stats"]))
         if isinstance(event, TensorReady):
             delivery.taken(event)
             return self._handed(event)
         return event
+
+    def _counted(self, stats: EngineStats | None) -> EngineStats | None:
+        """The engine's stats with the bytes read in the consumer's thread added."""
+        read_here = self._delivery.bytes_read_here
+        if not read_here:
+            return stats
+        if stats is None:
+            sizing = self._delivery.sizing
+            return EngineStats(
+                [], read_here, 0, sizing.chunk, sizing.workers, None, cancelled=False
+            )
+        return replace(stats, bytes_copied=stats.bytes_copied + read_here)
 
     def _handed(self, event: TensorReady) -> TensorReady:
         delivery = self._delivery
@@ -339,13 +492,9 @@ class HandOver(Generator[Event, None, "EngineStats | None"]):
 
     def _stop(self) -> None:
         """Cancel the engine if it still runs (the consumer stopped early, or an error)
-        and wait for it; close the mapped file being handed over."""
+        and wait for it; close the file being served here."""
         self._done = True
-        if self._file is not None:
-            tensors = self._file[2]
-            self._file = None
-            if isinstance(tensors, MappedTensors):
-                tensors.close()
+        self._close_file()
         worker = self._worker
         if worker is None:
             return

@@ -65,7 +65,13 @@ def load_plan(
         list_files=list_files,
         locks=_locks(local, files, lock_each_file),
         leftovers=lambda: [t for f in files for t in temps_of(local / f.name)] if local else [],
-        delivery=TensorDelivery(device, settings, through_page_cache=through_page_cache),
+        delivery=TensorDelivery(
+            device,
+            settings,
+            through_page_cache=through_page_cache,
+            # The folders loaderplug publishes its copies in: only their files are mapped.
+            own_copies=(settings.local_models_dir, *([local] if local is not None else [])),
+        ),
     )
 
 

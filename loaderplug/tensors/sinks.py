@@ -3,14 +3,17 @@
 :class:`TensorSink` assembles a file's bytes in host memory (a load to a device with a
 backend has its own sink, :mod:`loaderplug.tensors.device_sink`);
 :class:`PageCacheTensorSink` lets the page cache hold
-a file's bytes and hands over mappings of them. :class:`MappedTensors` serves a file that
-is in memory already (tmpfs, a warm page cache) over a private mapping, as safetensors
-does.
+a file's bytes and hands over mappings of them. :class:`ReadTensors` reads a file in the
+consumer's own thread (a small file, or one in memory already) into memory of its own;
+:class:`MappedTensors` serves one of loaderplug's own published local copies that is in
+memory already over a private mapping, as safetensors does (never any other file: a
+file someone shrinks under a mapping kills the process that touches it).
 """
 
 from __future__ import annotations
 
 import bisect
+import collections
 import itertools
 import mmap
 import os
@@ -25,6 +28,7 @@ from loaderplug.tensors.budget import MemoryBudget
 from loaderplug.tensors.dtypes import DTYPES
 from loaderplug.tensors.header import Header, TensorInfo
 from loaderplug.tensors.page_release import PageReleaser
+from loaderplug.units import MiB
 
 if TYPE_CHECKING:
     import torch
@@ -34,6 +38,12 @@ if TYPE_CHECKING:
 
 # Hands a finished tensor on: its name and the tensor.
 Emit = Callable[[str, Any], None]
+# Fills a buffer from a file at an offset: the bytes read (fewer only at its end).
+ReadInto = Callable[[memoryview, int], int]
+# How much a consumer's thread reads of a file at once: a small file in one read, a
+# bigger one in steps, so a consumer that drops each tensor holds a step, not the file
+# (a multiple of every O_DIRECT alignment).
+OWN_READ_STEP = 8 * MiB
 
 
 def torch_module() -> Any:
@@ -370,3 +380,77 @@ class MappedTensors:
 
     def __del__(self) -> None:
         self.close()
+
+
+class ReadTensors:
+    """Every tensor of a file, in file order, read by the consumer's own thread into
+    memory of the load's own (a :class:`TensorSink`'s), a step of
+    :data:`OWN_READ_STEP` bytes at a time, each byte once: no thread hands anything
+    over, and no tensor depends on the file once it is read. ``read`` fills a buffer
+    from the file, at offsets and lengths aligned for O_DIRECT.
+
+    An iterator object, like :class:`MappedTensors`: nothing of it refers to a tensor
+    it handed over."""
+
+    def __init__(
+        self,
+        header: Header,
+        path: DevicePath,
+        read: ReadInto,
+        on_close: Callable[[], None] | None = None,
+    ) -> None:
+        self.header = header
+        self._read = read
+        self._on_close = on_close  # once the file is read, or left
+        self._ready: collections.deque[tuple[str, Any]] = collections.deque()
+        self._sink: TensorSink | None = TensorSink(
+            header, path, lambda name, tensor: self._ready.append((name, tensor))
+        )
+        self._sink.prepare()  # its empty tensors are ready at once
+        self._offset = 0
+
+    def __iter__(self) -> ReadTensors:
+        return self
+
+    def __next__(self) -> tuple[str, Any]:
+        while not self._ready and self._sink is not None:
+            if self._offset >= self.header.size:
+                sink, self._sink = self._sink, None
+                self._closed()
+                sink.commit()
+                break
+            self._read_step(self._sink)
+        if not self._ready:
+            raise StopIteration
+        return self._ready.popleft()
+
+    def _read_step(self, sink: TensorSink) -> None:
+        offset, size = self._offset, self.header.size
+        length = min(OWN_READ_STEP, size - offset)
+        # Padded for O_DIRECT: the sink has room past the file's end for the padding.
+        padded = -(-length // READ_PADDING) * READ_PADDING
+        view = sink.place(offset, padded, _NEVER_CANCELLED)
+        got = self._read(view, offset)
+        if got < length:
+            raise FormatError(
+                f"{self.header.path}: ended at {offset + got} bytes, inside its tensors "
+                f"(the header says {size})"
+            )
+        self._offset = offset + length
+        sink.write(view[:length], offset)
+
+    def close(self) -> None:
+        """Stop early: the file's memory not held by a tensor handed over goes back."""
+        self._ready.clear()
+        sink, self._sink = self._sink, None
+        if sink is not None:
+            self._closed()
+            sink.abort()
+
+    def _closed(self) -> None:
+        on_close, self._on_close = self._on_close, None
+        if on_close is not None:
+            on_close()
+
+
+_NEVER_CANCELLED = threading.Event()
