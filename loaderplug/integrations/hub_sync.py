@@ -13,6 +13,7 @@ from loaderplug.settings import Settings
 
 from . import hub_commits, hub_mirror
 from .hub_calls import Call, cache_folder, chooser, wanted
+from .hub_warnings import cause
 from .upstream import huggingface_hub as seam
 
 log = logging.getLogger(__name__)
@@ -69,7 +70,8 @@ def store_listing(
             return True
         why: object = "an entry's Xet hash is not one; huggingface_hub would not keep it"
     except OSError as exc:
-        why = exc
+        why = cause(exc)
+        log.debug("loaderplug: the listing not kept on the mirror %s", mirror, exc_info=exc)
     log.warning(
         "loaderplug: the listing of %s (commit %s) could not be kept on the mirror %s (%s); "
         "every worker will ask the Hub for it again",
