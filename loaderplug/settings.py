@@ -304,8 +304,10 @@ class Settings:
         None,
         "What tells this host's ranks from another host's when ranks share a load (they "
         "share a read, a local copy and the memory budget only with ranks of their own "
-        "host). Unset: the host name and this boot of it. Containers on one machine that "
-        "should each count as a host of their own set one each.",
+        "host). Unset: the host name and this boot of it, the mount namespace and the "
+        "local folder (ranks that do not see the same files are not one host). "
+        "Containers on one machine that should each count as a host of their own set "
+        "one each.",
     )
     rank_sharing: RankSharing = _setting(
         "choice",
@@ -318,7 +320,8 @@ class Settings:
         "page cache as they are done with it; CPU tensors), or auto (as measured "
         "fastest: for CPU tensors, stream in a one pass from a network mirror and "
         "pagecache from local files; broadcast for CUDA tensors and network files read "
-        "in place).",
+        "in place). Files on a network filesystem are never mapped: pagecache or stream "
+        "forced there broadcasts instead, with a warning.",
         choices=get_args(RankSharing),
     )
     origins: Mapping[str, Origin] = field(default_factory=dict, compare=False, repr=False)

@@ -51,7 +51,7 @@ class BroadcastStep(Iterator[tuple[str, Any]]):
     def __init__(self, steps: Steps, device: DevicePath, data_group: Any) -> None:
         self.steps, self.device, self.data_group = steps, device, data_group
         self.own: tuple[str, Any] | None = None
-        self.error: str | None = None  # a broadcast's failure is the collective's own
+        self.error: BaseException | None = None  # a broadcast's failure is the collective's
         self._said: list[Any] = []
         self._next_rank = 0
 

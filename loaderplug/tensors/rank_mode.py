@@ -4,6 +4,7 @@ of the host's memory budget, and how tensors reach the other ranks."""
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Literal
@@ -48,18 +49,41 @@ def sharing_mode(
     socket); the page cache 1.05-1.29x (it waits for whole files, and holds the whole
     copy in memory). A broadcast otherwise: for CUDA tensors, and for network files
     read in place, whose pages another process's mapping would read again from the
-    network. Ranks may see a local copy change between their looks:
-    :func:`loaderplug.tensors.ranks.shared_tensors` makes them agree."""
-    if settings.rank_sharing != "auto":
-        return settings.rank_sharing
-    if device != "cpu":
-        return "broadcast"
+    network. A forced mode that maps files (pagecache, stream) is never used on a
+    network filesystem: a warning says so and the ranks broadcast. Ranks may see a
+    local copy change between their looks: :func:`loaderplug.tensors.ranks.shared_tensors`
+    makes them agree."""
     folders = {local_dir} if local_dir is not None else {p.parent for p in paths}
-    if any(is_network_type(filesystem_type(folder)) for folder in folders):
+    on_network = _network_folders(folders)
+    if settings.rank_sharing != "auto":
+        return _forced(settings.rank_sharing, on_network)
+    if device != "cpu" or on_network:
         return "broadcast"
     if local_dir is not None and copies_from_network(paths, local_dir):
         return "stream"
     return "pagecache"
+
+
+def _network_folders(folders: set[Path]) -> dict[Path, str]:
+    """Those of ``folders`` on a network filesystem, with its type."""
+    types = {folder: filesystem_type(folder) for folder in folders}
+    return {folder: fs for folder, fs in sorted(types.items()) if is_network_type(fs)}
+
+
+def _forced(mode: SharingMode, on_network: dict[Path, str]) -> SharingMode:
+    """The mode LOADERPLUG_RANK_SHARING forces, but never a mapping of a network file:
+    another machine may truncate it while this host maps it, and a mapped page past
+    the file's new end kills the process (SIGBUS). Those ranks broadcast instead."""
+    if mode == "broadcast" or not on_network:
+        return mode
+    folder, fs = next(iter(on_network.items()))
+    warnings.warn(
+        f"LOADERPLUG_RANK_SHARING={mode} is not used: the ranks would map files in "
+        f"{folder}, on a network filesystem ({fs}), where another machine may truncate a "
+        f"file under the mapping (SIGBUS); they broadcast the tensors instead",
+        stacklevel=3,
+    )
+    return "broadcast"
 
 
 def copies_from_network(paths: Sequence[Path], local_dir: Path) -> bool:

@@ -13,7 +13,7 @@ from loaderplug.jobs.runner import Runner
 from loaderplug.tensors.delivery import TensorsOf
 from loaderplug.tensors.device_path import DevicePath
 from loaderplug.tensors.header_reads import read_header_of
-from loaderplug.tensors.rank_steps import SharedPairs, Steps
+from loaderplug.tensors.rank_steps import SharedPairs, Steps, cannot_map
 from loaderplug.tensors.sinks import MappedTensors
 
 
@@ -37,26 +37,35 @@ def _page_cache_steps(
     final: list[Path],
     device: DevicePath,
 ) -> Iterator[tuple[str, Any]]:
+    """A failure, this rank's own or a mapping of another's file, fails every rank at
+    once (:meth:`Steps.fail`)."""
     own = TensorsOf(events, pause_at_files=True)
     while True:
         news: tuple[str, Any] | None = None
         if not own.done:
             try:
                 yield from own  # up to this rank's next file done
-            except LoaderplugError as exc:
-                news, own.done = ("error", str(exc)), True
-            else:
-                result = own.finished
-                if result is not None and result.status == "failed":
-                    news = ("error", f"{result.path}: {result.reason}")
-                elif result is not None:
-                    news = ("file", index[result.path])
+            except Exception as exc:
+                steps.fail(exc)
+            result = own.finished
+            if result is not None and result.status == "failed":
+                steps.fail(LoaderplugError(f"{result.path}: {result.reason}"))
+            if result is not None:
+                news = ("file", index[result.path])
         said = steps.exchange(news)
         for rank, step in enumerate(said):
             if rank != steps.share.rank and step is not None and step[0] == "file":
-                yield from OnDevice(MappedTensors(read_header_of(final[step[1]])), device)
+                yield from _mapped(final[step[1]], steps, device)
         if all(step is None for step in said):
             return
+
+
+def _mapped(path: Path, steps: Steps, device: DevicePath) -> Iterator[tuple[str, Any]]:
+    """Another rank's file, mapped from the page cache, on ``device``."""
+    try:
+        yield from OnDevice(MappedTensors(read_header_of(path)), device)
+    except Exception as exc:
+        steps.fail(cannot_map(path, exc))
 
 
 class OnDevice(Iterator[tuple[str, Any]]):

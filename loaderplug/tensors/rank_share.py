@@ -3,10 +3,12 @@ loaderplug's own, and the processes among them this rank can watch."""
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import socket
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from loaderplug.settings import Settings
@@ -26,9 +28,13 @@ class Share:
     peers: tuple[Peer, ...] = ()  # the other members whose processes this one can watch
 
 
-def share_for(group: Any, settings: Settings) -> Share | None:
+def share_for(
+    group: Any, settings: Settings, local_dir: str | os.PathLike[str] | None = None
+) -> Share | None:
     """The ranks on this host that share a load with this one, or None to load alone:
-    sharing is off, no group is given or initialised, or it has one rank here."""
+    sharing is off, no group is given or initialised, or it has one rank here. Ranks
+    share a host when they share its filesystems (see :func:`host_id`); ``local_dir``
+    is the folder a one pass publishes into."""
     if settings.distributed == "off":
         return None
     import torch.distributed as dist
@@ -41,7 +47,8 @@ def share_for(group: Any, settings: Settings) -> Share | None:
     if size <= 1:
         return None
     ranks: list[Any] = [None] * size
-    collective(dist.all_gather_object, ranks, RankProcess.here(settings), group=group)
+    here_now = RankProcess.here(settings, local_dir)
+    collective(dist.all_gather_object, ranks, here_now, group=group)
     me_here = ranks[dist.get_rank(group)]
     here = [r for r, rank in enumerate(ranks) if rank.host == me_here.host]
     members = tuple(dist.get_global_rank(group, r) for r in here)
@@ -72,15 +79,44 @@ class RankProcess:
     pid_namespace: str | None
 
     @staticmethod
-    def here(settings: Settings) -> RankProcess:
-        return RankProcess(settings.host_id or host_id(), os.getpid(), pid_namespace())
+    def here(settings: Settings, local_dir: str | os.PathLike[str] | None = None) -> RankProcess:
+        host = settings.host_id or host_id(local_dir)
+        return RankProcess(host, os.getpid(), pid_namespace())
 
 
-def host_id() -> str:
-    """What tells hosts apart: the host name and this boot of it."""
+def host_id(local_dir: str | os.PathLike[str] | None = None) -> str:
+    """What tells hosts apart: the host name and this boot of it, and what this process
+    sees of the filesystems. Containers with the host's network share its name and boot
+    but not its files: their mount namespaces differ, and so may the local folder that
+    carries the same name in each (its device and inode)."""
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
             boot = f.read().strip()
     except OSError:
         boot = ""
-    return f"{socket.gethostname()}/{boot}"
+    return f"{socket.gethostname()}/{boot}/{_mount_namespace()}/{_folder_identity(local_dir)}"
+
+
+def _mount_namespace() -> str:
+    try:
+        return os.readlink("/proc/self/ns/mnt")
+    except OSError:
+        return ""
+
+
+def _folder_identity(local_dir: str | os.PathLike[str] | None) -> str:
+    """The local folder's device and inode. It is made first (a one pass would make it),
+    so that ranks looking at once all see it; where it cannot be, the nearest folder
+    above it that exists, and the rest of the path."""
+    if local_dir is None:
+        return ""
+    folder = Path(local_dir).absolute()
+    with contextlib.suppress(OSError):  # the load itself says what is wrong with it
+        folder.mkdir(parents=True, exist_ok=True)
+    for existing in (folder, *folder.parents):
+        try:
+            stat = os.stat(existing)
+        except OSError:
+            continue
+        return f"{stat.st_dev}:{stat.st_ino}:{folder.relative_to(existing)}"
+    return ""

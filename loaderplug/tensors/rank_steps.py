@@ -5,9 +5,12 @@ an eye on the peers' processes, so a death ends the wait at once."""
 
 from __future__ import annotations
 
+import functools
+import logging
 import pickle
 from collections.abc import Callable, Generator, Iterator
-from typing import Any, Protocol
+from pathlib import Path
+from typing import Any, NoReturn, Protocol
 
 from loaderplug.errors import DistributedError, LoaderplugError
 from loaderplug.tensors.peers import PeerWatch
@@ -20,6 +23,8 @@ from loaderplug.tensors.rank_collectives import (
 )
 from loaderplug.tensors.rank_mode import SharingMode
 from loaderplug.tensors.rank_share import Share
+
+log = logging.getLogger(__name__)
 
 # How long a failed collective waits to see whether a peer died, to name it.
 PEER_EXIT_S = 1.0
@@ -64,11 +69,25 @@ class Steps:
             for data, n in zip(gathered, lengths, strict=True)
         ]
         for rank, step in enumerate(said):
-            if step is not None and step[0] == "error":
+            # This rank's own error is raised by :meth:`fail`, as itself.
+            if step is not None and step[0] == "error" and rank != self.share.rank:
                 raise DistributedError(
                     f"rank {self.share.global_ranks[rank]} of the shared load failed: {step[1]}"
                 )
         return said
+
+    def fail(self, exc: BaseException) -> NoReturn:
+        """Tell the other ranks this one failed, then raise ``exc`` itself (its type and
+        traceback, for this rank's caller); the others raise a
+        :class:`DistributedError` naming this rank and ``exc``."""
+        try:
+            self.exchange(("error", str(exc) or type(exc).__name__))
+            told = None
+        except DistributedError as other:  # another rank failed or died meanwhile
+            told = other
+        if told is not None:
+            log.info("rank %s also met: %s", self.share.global_ranks[self.share.rank], told)
+        raise exc
 
     def broadcast(self, raw: Any, src: int, group: Any) -> None:
         """``raw`` from global rank ``src`` to the others over ``group``: the share's
@@ -102,16 +121,41 @@ class Steps:
 
 
 def tear_down(steps: Steps, groups: list[Any]) -> None:
-    """End the load's steps: stop watching the peers and free the load's groups."""
+    """End the load's steps: stop watching the peers and free the load's groups, every
+    one of them. A failure here is logged, never raised: it would hide the load's own
+    error, if there is one."""
+    # Past the last exchange (or failed everywhere): the peers may exit as they like.
+    _quietly(steps.watch.close, "stop watching the other ranks")
+    free_groups(groups, steps.pending)
+
+
+def free_groups(groups: list[Any], pending: Any = None) -> None:
+    """Free a load's ``groups`` (left behind, their threads abort the process at exit);
+    with a collective still ``pending`` (a peer died during it), keep them for good."""
     import torch.distributed as dist
 
-    # Past the last exchange (or failed everywhere): the peers may exit as they like.
-    steps.watch.close()
-    # The groups are this load's: left behind, their threads abort the process at exit.
     for group in {id(g): g for g in groups}.values():
-        dist.destroy_process_group(group)
-        if steps.pending is not None:
-            abandon(group, steps.pending)
+        if pending is not None:
+            abandon(group, pending)
+        _quietly(functools.partial(dist.destroy_process_group, group), "free a group")
+
+
+def _quietly(action: Callable[[], object], what: str) -> None:
+    try:
+        action()
+    except Exception:
+        log.warning("loaderplug: could not %s of a shared load", what, exc_info=True)
+
+
+def cannot_map(path: Path, exc: Exception) -> Exception:
+    """The error of another rank's file this rank could not map: ``exc`` itself, or,
+    for an OSError, a :class:`LoaderplugError` naming the file (caused by it)."""
+    if not isinstance(exc, OSError):
+        return exc
+    try:
+        raise LoaderplugError(f"cannot map {path.name}: {exc}") from exc
+    except LoaderplugError as error:  # raised, so that it carries where it happened
+        return error
 
 
 def agreed(steps: Steps, mode: SharingMode) -> SharingMode:
@@ -126,7 +170,7 @@ class Step(Protocol):
     """One step of a per-tensor share (see :func:`each_step`)."""
 
     own: Any
-    error: str | None
+    error: BaseException | None
 
     def offer(self) -> tuple[str, Any] | None: ...
 
@@ -143,17 +187,15 @@ def each_step(
     done = False
     while True:
         step = new_step()
-        error: tuple[str, Any] | None = None
         if not done:
             try:
                 step.own = next(own, None)
-            except LoaderplugError as exc:
-                error, done = ("error", str(exc)), True
-            else:
-                done = step.own is None
-        said = steps.exchange(error or step.offer())
+            except Exception as exc:  # every rank hears of it at once
+                steps.fail(exc)
+            done = step.own is None
+        said = steps.exchange(step.offer())
         yield from step.hand_over(said)
         if step.error is not None:  # the others hear of it at once, and all raise
-            steps.exchange(("error", step.error))
+            steps.fail(step.error)
         if all(s is None for s in said):
             return

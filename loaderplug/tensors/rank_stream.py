@@ -18,7 +18,7 @@ from loaderplug.tensors.delivery import Idle, TensorDelivery, TensorReady
 from loaderplug.tensors.device_path import DevicePath
 from loaderplug.tensors.header import Header
 from loaderplug.tensors.rank_batches import LandedBatches
-from loaderplug.tensors.rank_steps import SharedPairs, Steps, each_step
+from loaderplug.tensors.rank_steps import SharedPairs, Steps, cannot_map, each_step
 from loaderplug.tensors.sinks import MappedFile
 
 # How long a streaming rank waits for a tensor of its own before it steps on without
@@ -117,7 +117,7 @@ class StreamStep(Iterator[tuple[str, Any]]):
         self.index, self.headers, self.told = index, headers, told
         self.pages = pages
         self.own: collections.deque[TensorReady] | Idle | None = None
-        self.error: str | None = None  # a mapping this rank could not make
+        self.error: BaseException | None = None  # a mapping this rank could not make
         self._said: list[Any] = []
         self._next_rank = 0
         self._next_item = 0  # in the offer of rank ``_next_rank``
@@ -157,7 +157,7 @@ class StreamStep(Iterator[tuple[str, Any]]):
                 self.files.headers[file] = header
             try:
                 return name, self.files.tensor(file, name)
-            except OSError as exc:
-                self.error = f"cannot map {self.files.files[file].name}: {exc}"
+            except Exception as exc:
+                self.error = cannot_map(self.files.files[file], exc)
                 break
         raise StopIteration

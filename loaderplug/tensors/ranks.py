@@ -58,7 +58,7 @@ from loaderplug.tensors.rank_broadcast import by_broadcast, data_group
 from loaderplug.tensors.rank_mode import SharingMode, owners, rank_part, sharing_mode
 from loaderplug.tensors.rank_pagecache import by_page_cache
 from loaderplug.tensors.rank_share import Share, share_for
-from loaderplug.tensors.rank_steps import SharedPairs, Steps, agreed, tear_down
+from loaderplug.tensors.rank_steps import SharedPairs, Steps, agreed, free_groups, tear_down
 from loaderplug.tensors.rank_stream import by_stream
 
 __all__ = [
@@ -80,9 +80,47 @@ def shared_tensors(
     settings: Settings,
     share: Share,
     load: Load,
-) -> Iterator[tuple[str, Any]]:
+) -> SharedLoad:
     """Every tensor of ``paths`` on this rank, this rank reading only its own files;
     ``load`` gets the record of what this rank did."""
+    return SharedLoad(_shared_pairs(paths, device, local_dir, settings, share, load), share)
+
+
+class SharedLoad(Iterator[tuple[str, Any]]):
+    """A shared load's tensors; closed (or dropped) before its first, it frees the
+    share's group, which only a started load's own cleanup would."""
+
+    def __init__(self, pairs: SharedPairs, share: Share) -> None:
+        self._pairs: SharedPairs | None = pairs
+        self._share = share
+        self._started = False
+
+    def __next__(self) -> tuple[str, Any]:
+        if self._pairs is None:
+            raise StopIteration
+        self._started = True
+        return next(self._pairs)
+
+    def close(self) -> None:
+        pairs, self._pairs = self._pairs, None
+        if pairs is None:
+            return
+        pairs.close()
+        if not self._started:
+            free_groups([self._share.group])
+
+    def __del__(self) -> None:
+        self.close()
+
+
+def _shared_pairs(
+    paths: Sequence[str | os.PathLike[str]],
+    device: DevicePath,
+    local_dir: str | os.PathLike[str] | None,
+    settings: Settings,
+    share: Share,
+    load: Load,
+) -> SharedPairs:
     files = [Path(p) for p in paths]
     local = Path(local_dir) if local_dir is not None else None
     # LOADERPLUG_BYTES_IN_FLIGHT bounds the host: the ranks sharing its load divide it.
@@ -167,8 +205,7 @@ def _sizes(files: list[Path], steps: Steps) -> list[int]:
     try:
         return [_size(p) for p in files]
     except LoaderplugError as exc:  # the others hear of it at their first step
-        steps.exchange(("error", str(exc)))
-        raise AssertionError("unreachable: the step raised") from exc
+        steps.fail(exc)
 
 
 def _size(path: Path) -> int:

@@ -66,7 +66,7 @@ def iter_tensors(
 
     def start(load: Load) -> Pairs:
         path = device_path_for(device, job_settings)  # the one place the device is decided
-        share = share_for(group, job_settings)
+        share = share_for(group, job_settings, local_dir)
         if share is not None:
             return shared_tensors(paths, path, local_dir, job_settings, share, load)
         return RunnerPairs(

@@ -101,12 +101,13 @@ def main() -> int:
     if die_at:
         threading.Timer(die_at, die).start()
     if os.environ.get("RANK_MAP_FAIL"):
-        from loaderplug.tensors import rank_stream
+        from loaderplug.tensors import rank_pagecache, rank_stream
 
-        def refuse(self: object, index: int) -> None:
+        def refuse(*args: object) -> None:
             raise OSError(errno.ENOMEM, os.strerror(errno.ENOMEM))
 
         rank_stream.MappedFiles._map = refuse  # type: ignore[assignment,method-assign]
+        rank_pagecache.MappedTensors = refuse  # type: ignore[assignment,misc]
     group = None if os.environ.get("RANK_GROUP") == "none" else dist.group.WORLD
     out: dict[str, object] = {"tensors": {}, "error": None}
     base_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # torch, the group
