@@ -16,7 +16,7 @@ from loaderplug.units import MiB
 from tests.conftest import tree_bytes
 
 
-@pytest.mark.slow
+@pytest.mark.slow("measures a throttled test volume for seconds")
 @pytest.mark.fuse
 def test_a_per_stream_capped_volume_is_told_to_use_more_streams(tmp_path: Path) -> None:
     backing = tmp_path / "backing"

@@ -202,7 +202,7 @@ print(json.dumps({"growth": peak - base, "largest": largest}))
 """
 
 
-@pytest.mark.slow
+@pytest.mark.slow("a process whose memory is watched as it loads")
 @pytest.mark.parametrize("one_pass", [False, True])
 def test_a_consumer_that_drops_each_tensor_holds_a_window_not_the_model(
     tmp_path: Path, one_pass: bool

@@ -95,6 +95,7 @@ def test_second_run_says_nothing_to_do(model: Path, tmp_path: Path) -> None:
     assert "nothing to do" in done.stdout and "6 skipped" in done.stdout
 
 
+@pytest.mark.slow("runs the demo: a FUSE test volume and a CLI process")
 def test_demo_runs_and_verifies_its_copy() -> None:
     done = run("demo", "--size-mib", "16")
     assert done.returncode == 0, done.stderr
@@ -172,7 +173,7 @@ def test_doctor_speaks_the_environments_language(tmp_path: Path) -> None:
     assert ".py" not in done.stdout + done.stderr
 
 
-@pytest.mark.slow
+@pytest.mark.slow("CLI processes that import torch")
 def test_load_hydrates_and_loads_in_one_pass(model: Path, tmp_path: Path) -> None:
     pytest.importorskip("torch")
     done = run("load", "--from", str(model), "--to", str(tmp_path / "l"), "--json")
@@ -188,6 +189,7 @@ def test_load_hydrates_and_loads_in_one_pass(model: Path, tmp_path: Path) -> Non
     assert all((tmp_path / "l" / p.name).read_bytes() == p.read_bytes() for p in shards)
 
 
+@pytest.mark.slow("CLI processes that import torch")
 def test_load_says_what_it_read_and_what_it_only_mapped(model: Path) -> None:
     """A warm local copy of loaderplug's own is handed over as a mapping: reported as
     mapped, with its bytes, never as bytes read at some speed; a warm file of the
@@ -219,6 +221,7 @@ def test_load_says_what_it_read_and_what_it_only_mapped(model: Path) -> None:
     assert not any(mode.startswith("mapped") for mode in figures["io"].values())
 
 
+@pytest.mark.slow("a CLI process that imports torch")
 def test_load_of_a_folder_loads_its_safetensors_files(model: Path) -> None:
     pytest.importorskip("torch")
     figures = json.loads(run("load", str(model), "--json").stdout)
@@ -226,7 +229,7 @@ def test_load_of_a_folder_loads_its_safetensors_files(model: Path) -> None:
     assert sorted(figures["io"]) == sorted(map(str, model.glob("*.safetensors")))
 
 
-@pytest.mark.slow
+@pytest.mark.slow("a CLI process that imports torch")
 def test_load_of_a_corrupt_file_exits_1_with_the_format_error(tmp_path: Path) -> None:
     pytest.importorskip("torch")
     bad = tmp_path / "bad.safetensors"

@@ -15,7 +15,7 @@ from loaderplug.testing.model import write_model
 from loaderplug.units import MiB
 from tests.conftest import FAST
 
-pytestmark = [pytest.mark.crash, pytest.mark.slow]
+pytestmark = [pytest.mark.crash, pytest.mark.slow("kills hydrates at many points, a process each")]
 
 TRIALS = int(os.environ.get("LOADERPLUG_CRASH_TRIALS", "3"))
 

@@ -117,7 +117,7 @@ def test_too_old_a_fastsafetensors_is_refused() -> None:
         lp_fst._check_version("0.4.9")
 
 
-@pytest.mark.slow
+@pytest.mark.slow("starts vLLM")
 @pytest.mark.fuse
 def test_vllms_fastsafetensors_load_format_hydrates_first(
     fuse_mirror: TestVolume, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
@@ -147,7 +147,7 @@ def test_vllms_fastsafetensors_load_format_hydrates_first(
     assert handed == [str(copy / Path(f).name) for f in files]
 
 
-@pytest.mark.slow
+@pytest.mark.slow("runs the example script in a process of its own")
 @pytest.mark.fuse
 def test_the_example_script_reads_a_mirror_through_loaderplug(
     fuse_mirror: TestVolume, tmp_path: Path

@@ -16,6 +16,7 @@ REPO = Path(__file__).resolve().parent.parent
 pytest.importorskip("torch")
 
 
+@pytest.mark.slow("runs the GPU benchmark's processes on the CPU")
 def test_the_gpu_benchmark_runs_on_the_cpu_and_writes_its_json(tmp_path: Path) -> None:
     out = tmp_path / "out"
     command = [sys.executable, str(REPO / "benchmarks" / "gpu_processes.py"), "--device", "cpu",

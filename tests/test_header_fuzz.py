@@ -378,7 +378,7 @@ def differential(blob: bytes, path: Path) -> str:
     return outcome
 
 
-@pytest.mark.slow
+@pytest.mark.slow("loads thousands of mutated files")
 @FUZZ
 @given(blob=mutated())
 def test_mutated_files_load_exactly_when_safetensors_loads_them(folder: Path, blob: bytes) -> None:

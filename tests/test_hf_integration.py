@@ -281,6 +281,7 @@ def test_install_and_uninstall_rebind_every_namespace(
         del sys.modules["early_consumer"]
 
 
+@pytest.mark.slow("example worker processes that import transformers")
 def test_the_example_worker_fills_then_uses_the_mirror(
     hub: HubServer, tmp_path: Path, volume: Path
 ) -> None:

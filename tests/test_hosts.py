@@ -187,8 +187,7 @@ def transfer_rate_mbit(hosts: SimulatedHosts, nbytes: int) -> float:
     return float(nbytes * 8 / received["seconds"] / 1e6)
 
 
-# slow: sends 8 MiB at 40 Mbit/s and 2 MiB at 10 Mbit/s (about 1.7 s each)
-@pytest.mark.slow
+@pytest.mark.slow("sends 8 MiB at 40 Mbit/s and 2 MiB at 10 Mbit/s (about 1.7 s each)")
 def test_the_link_rate_is_applied_and_changed_at_run_time() -> None:
     with SimulatedHosts(2, link_mbit=40) as hosts:
         rate = transfer_rate_mbit(hosts, 8 * MiB)
@@ -200,8 +199,7 @@ def test_the_link_rate_is_applied_and_changed_at_run_time() -> None:
         assert rate < 1.5 * 10
 
 
-# slow: connections wait out their timeouts (3 s)
-@pytest.mark.slow
+@pytest.mark.slow("connections wait out their timeouts (3 s)")
 def test_a_stalled_host_times_out_its_peers_until_unstalled() -> None:
     with SimulatedHosts(2, link_mbit=100) as hosts:
         serve(hosts, 1, "echo")
@@ -246,8 +244,7 @@ except Exception as e:
 """
 
 
-# slow: four ranks import torch and form a gloo group
-@pytest.mark.slow
+@pytest.mark.slow("four ranks import torch and form a gloo group")
 @pytest.mark.distributed
 def test_a_gloo_group_across_two_hosts_of_two_ranks() -> None:
     pytest.importorskip("torch.distributed")
@@ -280,8 +277,7 @@ def test_a_gloo_group_across_two_hosts_of_two_ranks() -> None:
 WHY = {"killed": "Connection closed by peer", "vanished": "Timed out"}
 
 
-# slow: two ranks import torch; the vanished host's peer waits out a 5 s timeout
-@pytest.mark.slow
+@pytest.mark.slow("two ranks import torch; the vanished host's peer waits out a 5 s timeout")
 @pytest.mark.distributed
 @pytest.mark.crash
 @pytest.mark.parametrize("how", ["killed", "vanished"])
@@ -309,8 +305,7 @@ def test_a_collective_with_a_dead_host_raises(how: str) -> None:
     assert WHY[how] in out
 
 
-# slow: mounts two FUSE volumes, each served by a process of its own
-@pytest.mark.slow
+@pytest.mark.slow("mounts two FUSE volumes, each served by a process of its own")
 @pytest.mark.fuse
 def test_each_host_counts_the_bytes_read_through_its_own_volume(tmp_path: Path) -> None:
     assert fuse_unavailable_reason() is None

@@ -114,7 +114,7 @@ def first_worker(hub: HubServer, tmp_path: Path, volume: Path, layout: str) -> N
         assert (volume / "hub" / "blobs" / ".huggingface-shared-blobs").is_file()
 
 
-@pytest.mark.slow
+@pytest.mark.slow("transformers processes, worker after worker")
 @pytest.mark.parametrize("how", HOWS)
 @pytest.mark.parametrize("layout", ["per-repo", "shared"])
 def test_transformers_loads_a_repo_id_from_the_mirror(

@@ -45,7 +45,7 @@ def worker(
     return done
 
 
-@pytest.mark.slow  # three transformers processes each
+@pytest.mark.slow("three transformers processes each")
 @pytest.mark.parametrize(
     ("how", "layout"), [("up", "per-repo"), ("down", "shared"), ("offline", "per-repo")]
 )

@@ -74,7 +74,7 @@ def filled(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, bytes], 
     return files, volume
 
 
-@pytest.mark.slow  # a transformers process per state of the Hub
+@pytest.mark.slow("a transformers process per state of the Hub")
 @pytest.mark.parametrize("failing", ["hang", "500", "429", "stopped"])
 def test_a_worker_whose_mirror_holds_the_model_is_not_held_up_by_the_hub(
     tmp_path: Path, failing: str, filled: tuple[dict[str, bytes], Path]

@@ -69,7 +69,7 @@ def test_enomem_storm_under_load_is_retried_and_bytes_are_identical(
     assert tree_bytes(tmp_path / "local") == tree_bytes(backing)
 
 
-@pytest.mark.slow
+@pytest.mark.slow("drives a FUSE test volume into ENOMEM and back")
 def test_auto_workers_back_off_below_the_in_flight_count_that_draws_enomem(
     tmp_path: Path,
 ) -> None:

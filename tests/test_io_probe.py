@@ -4,6 +4,7 @@ files, small files and LOADERPLUG_IO_PROBE=off keep the table's answer."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from pathlib import Path
@@ -32,9 +33,15 @@ def big(tmp_path: Path) -> Path:
         pytest.skip(f"{tmp_path} is in memory: nothing to measure")
     path = tmp_path / "data" / "model.safetensors"
     path.parent.mkdir()
-    path.write_bytes(os.urandom(io_probe.SMALLEST_PROBED + 16 * MiB))
+    path.write_bytes(noise())
     drop_from_page_cache(path)
     return path
+
+
+@functools.cache
+def noise() -> bytes:
+    """Bytes for a file big enough to measure with, made once (they take a while)."""
+    return os.urandom(io_probe.SMALLEST_PROBED + 16 * MiB)
 
 
 def entries() -> dict[str, dict[str, object]]:
@@ -191,7 +198,7 @@ def test_processes_probing_one_new_mount_at_once_agree_and_leave_one_valid_file(
         folder.mkdir()
         files.append(big.rename(folder / big.name) if i == 0 else folder / big.name)
         if i:
-            files[i].write_bytes(os.urandom(io_probe.SMALLEST_PROBED + 16 * MiB))
+            files[i].write_bytes(noise())
         drop_from_page_cache(files[i])
     procs = [
         subprocess.Popen(

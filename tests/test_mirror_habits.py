@@ -32,7 +32,7 @@ from tests.conftest import FAST, leftover_temps, tree_bytes
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("safetensors")
-pytestmark = [pytest.mark.fuse, pytest.mark.slow]
+pytestmark = [pytest.mark.fuse, pytest.mark.slow("a FUSE test volume per habit of a network mount")]
 
 # Each habit alone, then all of them at once.
 HABITS = {

@@ -25,7 +25,7 @@ def resident(mapping: mmap.mmap, page: int) -> bool:
     return mapping[page * PAGE] != 0
 
 
-@pytest.mark.slow
+@pytest.mark.slow("a process that maps a model and watches its memory")
 def test_a_dead_tensor_gives_back_its_pages_and_keeps_its_neighbours_shared_ones() -> None:
     # Three tensors: t0 ends and t1 starts inside page 2; t1 ends and t2 starts in page 5.
     spans = [(100, 2 * PAGE + 10), (2 * PAGE + 10, 5 * PAGE + 20), (5 * PAGE + 20, 8 * PAGE)]

@@ -61,7 +61,7 @@ def one_file(tmp_path: Path) -> Path:
     return folder
 
 
-@pytest.mark.slow
+@pytest.mark.slow("kills a hydrate half way and runs it again")
 @pytest.mark.parametrize("kill_at", [0.2, 0.5, 0.8])
 def test_a_killed_hydrate_resumes_reading_only_what_had_not_landed(
     one_file: Path, tmp_path: Path, kill_at: float
@@ -111,7 +111,7 @@ def test_a_changed_source_starts_over(one_file: Path, tmp_path: Path) -> None:
     assert bytes_read(second, one_file) >= len(data)  # every byte again: nothing reusable
 
 
-@pytest.mark.slow
+@pytest.mark.slow("kills a one pass half way and runs it again")
 def test_a_killed_one_pass_resumes_and_loads_every_tensor(one_file: Path, tmp_path: Path) -> None:
     pytest.importorskip("torch")
     (shard,) = one_file.glob("*.safetensors")

@@ -47,7 +47,7 @@ def published_files_are_complete(src: Path, dst: Path) -> None:
         assert data == source[rel], f"{rel} was published incomplete"
 
 
-@pytest.mark.slow
+@pytest.mark.slow("interrupts a hydrate running in a process of its own")
 def test_sigint_stops_after_the_reads_in_flight_and_cleans_up(model: Path, tmp_path: Path) -> None:
     dst, reads = tmp_path / "local", tmp_path / "reads.log"
     proc = start(model, dst, 0.2, read_log=reads)

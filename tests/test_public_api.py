@@ -70,7 +70,7 @@ mirror: Path | None = loaderplug.find_mirror("hub", "acme/llama")
 """
 
 
-@pytest.mark.slow
+@pytest.mark.slow("runs mypy over a user's code")
 def test_a_users_code_type_checks_strictly(tmp_path: Path) -> None:
     pytest.importorskip("torch")
     user = tmp_path / "user.py"

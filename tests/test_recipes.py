@@ -68,7 +68,7 @@ def workers(
     return outputs
 
 
-@pytest.mark.slow  # a transformers process per state of the Hub
+@pytest.mark.slow("a transformers process per state of the Hub")
 def test_the_huggingface_worker_loads_from_the_mirror(tmp_path: Path) -> None:
     pytest.importorskip("transformers")
     from loaderplug.testing.tiny_llama import write_tiny_llama
@@ -81,7 +81,7 @@ def test_the_huggingface_worker_loads_from_the_mirror(tmp_path: Path) -> None:
     assert {out.split(":")[0] for out in outputs} == {"loaded acme/model"}
 
 
-@pytest.mark.slow  # a diffusers process per state of the Hub
+@pytest.mark.slow("a diffusers process per state of the Hub")
 def test_a_diffusers_pipeline_with_components_in_subfolders_loads_from_the_mirror(
     tmp_path: Path,
 ) -> None:
@@ -97,7 +97,7 @@ def test_a_diffusers_pipeline_with_components_in_subfolders_loads_from_the_mirro
         assert "one step gave an image of shape (1, 3, 8, 8)" in out
 
 
-@pytest.mark.slow  # a sentence-transformers process per state of the Hub
+@pytest.mark.slow("a sentence-transformers process per state of the Hub")
 def test_sentence_transformers_loads_from_the_mirror(tmp_path: Path) -> None:
     pytest.importorskip("sentence_transformers")
     from loaderplug.testing.tiny_pipelines import write_tiny_sentence_transformer
@@ -113,6 +113,7 @@ def test_sentence_transformers_loads_from_the_mirror(tmp_path: Path) -> None:
     assert len(set(outputs)) == 1 and outputs[0].startswith("(1, 64)")  # the same model
 
 
+@pytest.mark.slow("the worker image's handler in a process, with a test Hub")
 def test_the_worker_images_handler_hydrates_at_start_and_serves(tmp_path: Path) -> None:
     pytest.importorskip("transformers")
     from loaderplug.testing.tiny_llama import write_tiny_llama
@@ -179,6 +180,7 @@ def test_the_kubernetes_init_container_hydrates_the_pods_local_disk(tmp_path: Pa
         assert (tmp_path / "local" / f.name).read_bytes() == f.read_bytes()
 
 
+@pytest.mark.slow("a fastsafetensors process")
 def test_the_fastsafetensors_recipe_loads_files_on_the_mirror(tmp_path: Path) -> None:
     pytest.importorskip("fastsafetensors")
     from loaderplug.testing.model import write_model

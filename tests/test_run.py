@@ -156,6 +156,7 @@ def test_without_huggingface_hub_the_hook_is_off_and_says_so(
     assert "huggingface_hub is not installed" in (hook_unavailable() or "")
 
 
+@pytest.mark.slow("hf CLI processes, worker after worker")
 @pytest.mark.parametrize("into", ["cache", "local-dir"])
 def test_hf_download_worker_two_is_served_from_the_mirror(
     hub: HubServer, mirror: Path, tmp_path: Path, into: str

@@ -44,7 +44,7 @@ def shards_of(folder: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(folder.glob("*.safetensors"))}
 
 
-@pytest.mark.slow
+@pytest.mark.slow("one passes in processes of their own")
 def test_two_one_passes_into_one_local_dir_write_each_file_once(
     model: Path, tmp_path: Path
 ) -> None:
@@ -74,7 +74,7 @@ def wait_for_temps(local: Path, proc: subprocess.Popen[str], timeout_s: float = 
     raise AssertionError("the one pass never started copying")
 
 
-@pytest.mark.slow
+@pytest.mark.slow("kills a one pass again and again")
 def test_a_one_pass_killed_again_and_again_leaves_no_temp_file_once_it_completes(
     model: Path, tmp_path: Path
 ) -> None:

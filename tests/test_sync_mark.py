@@ -38,7 +38,7 @@ def wait_until(condition: object, timeout_s: float = 30) -> None:
     raise AssertionError("timed out")
 
 
-@pytest.mark.slow
+@pytest.mark.slow("kills a sync in a process of its own")
 def test_a_hydrate_of_a_mirror_whose_first_sync_was_killed_fails_and_publishes_nothing(
     model: Path, tmp_path: Path
 ) -> None:
@@ -56,7 +56,7 @@ def test_a_hydrate_of_a_mirror_whose_first_sync_was_killed_fails_and_publishes_n
     assert tree_bytes(tmp_path / "local") == tree_bytes(model)
 
 
-@pytest.mark.slow
+@pytest.mark.slow("kills a sync in a process of its own")
 def test_a_resync_killed_over_an_older_one_is_refused_not_mixed(
     model: Path, tmp_path: Path
 ) -> None:

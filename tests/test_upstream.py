@@ -29,10 +29,15 @@ SEAMS: dict[str, ModuleType] = {
     "vllm": vllm_seam,
     "sglang": sglang_seam,
 }
+# Importing vLLM takes seconds: its seams are checked in the full run only.
+SLOW_TO_IMPORT = {"vllm": pytest.mark.slow("imports vLLM")}
 EVERY_SYMBOL = [
-    pytest.param(library, symbol, id=symbol.name)
+    pytest.param(library, symbol, id=symbol.name, marks=SLOW_TO_IMPORT.get(library, ()))
     for library, seam in SEAMS.items()
     for symbol in seam.SYMBOLS
+]
+EVERY_LIBRARY = [
+    pytest.param(library, marks=SLOW_TO_IMPORT.get(library, ())) for library in sorted(SEAMS)
 ]
 
 
@@ -51,12 +56,12 @@ def test_every_symbol_resolves_in_the_installed_version(library: str, symbol: Sy
     seam.UPSTREAM.get(symbol)  # raises UpstreamChanged, naming the symbol, if it is gone
 
 
-@pytest.mark.parametrize("library", sorted(SEAMS))
+@pytest.mark.parametrize("library", EVERY_LIBRARY)
 def test_missing_finds_nothing_missing_in_the_installed_version(library: str) -> None:
     assert installed(library).missing() == []
 
 
-@pytest.mark.parametrize("library", sorted(SEAMS))
+@pytest.mark.parametrize("library", EVERY_LIBRARY)
 def test_each_table_is_its_upstreams_and_describes_every_symbol(library: str) -> None:
     seam = SEAMS[library]
     assert seam.UPSTREAM.library == library
@@ -69,7 +74,7 @@ def test_each_table_is_its_upstreams_and_describes_every_symbol(library: str) ->
     assert any(not s.public for s in seam.SYMBOLS)
 
 
-@pytest.mark.parametrize("library", sorted(SEAMS))
+@pytest.mark.parametrize("library", EVERY_LIBRARY)
 def test_the_installed_version_is_supported_and_the_record_is_ordered(library: str) -> None:
     seam = installed(library)
     assert not seam.UPSTREAM.too_old(seam.version())

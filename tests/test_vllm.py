@@ -23,7 +23,7 @@ pytestmark = [
     pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed"),
     pytest.mark.fuse,
     pytest.mark.vllm,
-    pytest.mark.slow,
+    pytest.mark.slow("starts vLLM"),
 ]
 REPO = Path(__file__).resolve().parent.parent
 

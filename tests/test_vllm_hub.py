@@ -19,7 +19,7 @@ from loaderplug.testing.hub import HubServer, client_env, share_blobs
 pytestmark = [
     pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed"),
     pytest.mark.vllm,
-    pytest.mark.slow,
+    pytest.mark.slow("starts vLLM"),
 ]
 REPO_ROOT = Path(__file__).resolve().parent.parent
 REPO = "acme/tiny-llama"

@@ -164,7 +164,7 @@ print(json.dumps(sums))
 """
 
 
-@pytest.mark.slow
+@pytest.mark.slow("ranks of a gloo group in processes of their own")
 @pytest.mark.fuse
 def test_ranks_loading_at_once_read_the_mirror_once(
     fuse_mirror: tuple[TestVolume, list[Path]], tmp_path: Path
