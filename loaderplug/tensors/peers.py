@@ -11,33 +11,55 @@ no collective at all.
 Ranks on one host know each other's process ids (their first step gathers them), so each
 rank watches the others' processes directly: a pidfd becomes readable the moment its
 process exits (a zombie included). Only a process in this rank's pid namespace can be
-watched; a rank of another container or host is left to the collectives' own failure
-and timeout. A rank that is merely slow is never taken for dead: only an exit counts.
+watched so (a process id means nothing in another); a rank of this host in another pid
+namespace (a container of its own, with the host's network and files) is watched by its
+heartbeat instead: each such rank counts up a key of its own in the group's store every
+:data:`BEAT_S` from a thread of its own, and one whose count stood still for
+:data:`SILENT_S` has died. A rank that is merely slow is never taken for dead: only an
+exit counts, or a heartbeat that stopped for far longer than any slow step takes. A
+rank on another host is left to the collectives' own failure and timeout.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import select
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from loaderplug.errors import DistributedError
 
-__all__ = ["Peer", "PeerWatch", "pid_namespace"]
+log = logging.getLogger(__name__)
+
+__all__ = ["Heartbeats", "Peer", "PeerWatch", "pid_namespace"]
 
 # Where pidfds are not to be had (Linux before 5.3, some sandboxes): how often the
 # peers' entries in /proc are looked at instead.
 PROC_POLL_S = 0.25
 
 
+# How long a failed collective waits for a peer's exit to be seen, to name it: a peer's
+# death closes its sockets a moment before its process is seen to exit.
+PEER_EXIT_S = 1.0
+# How often a rank counts its heartbeat up, and how long one may stand still before its
+# rank is taken for dead: long next to a beat (a thread of a busy process may wait for
+# the interpreter's lock a while), short next to the collective timeout.
+BEAT_S = 0.25
+SILENT_S = 5.0
+
+
 @dataclass(frozen=True)
 class Peer:
-    """Another rank of the share, by its rank in the default group and its process id."""
+    """Another rank of the share, by its rank in the default group and its process id
+    (None: in another pid namespace, where this rank cannot see it; watched by its
+    heartbeat)."""
 
     rank: int
-    pid: int
+    pid: int | None
 
 
 def pid_namespace() -> str | None:
@@ -48,25 +70,65 @@ def pid_namespace() -> str | None:
         return None
 
 
-class PeerWatch:
-    """Watches ``peers`` from a thread of its own until :meth:`close`; :attr:`dead` is the
-    first one seen to exit, and every listener hears of it once, on that thread."""
+class Heartbeats:
+    """This rank's heartbeat and the others' in ``store`` (under a prefix of the load's
+    own): :meth:`beat` counts this rank's up; :meth:`silent` are the watched peers whose
+    count stood still for :data:`SILENT_S`. A store that fails is given up on (logged):
+    the collectives' own failure and timeout remain."""
 
-    def __init__(self, peers: Sequence[Peer]) -> None:
+    def __init__(self, store: Any, rank: int, peers: Sequence[Peer]) -> None:
+        self._store, self._rank = store, rank
+        self._last: dict[Peer, tuple[int, float]] = {p: (-1, time.monotonic()) for p in peers}
+
+    def beat(self) -> list[Peer]:
+        """Count up this rank's heartbeat; the watched peers silent for too long."""
+        if self._store is None:
+            return []
+        now = time.monotonic()
+        try:
+            self._store.add(str(self._rank), 1)
+            counts = {peer: self._store.add(str(peer.rank), 0) for peer in self._last}
+        except Exception:  # a store that failed says nothing of the peers
+            log.warning("loaderplug: the ranks' heartbeats stop (the store failed)", exc_info=True)
+            self._store = None
+            return []
+        silent = []
+        for peer, count in counts.items():
+            last_count, since = self._last[peer]
+            if count != last_count:
+                self._last[peer] = (count, now)
+            elif count > 0 and now - since >= SILENT_S:  # it beat, then stopped
+                silent.append(peer)
+        for peer in silent:
+            del self._last[peer]
+        return silent
+
+
+class PeerWatch:
+    """Watches ``peers`` from a thread of its own until :meth:`close`: by their processes,
+    or by ``heartbeats`` (those in another pid namespace). :attr:`dead` is the first one
+    seen to exit, and every listener hears of it once, on that thread."""
+
+    def __init__(self, peers: Sequence[Peer], heartbeats: Heartbeats | None = None) -> None:
         self.dead: Peer | None = None
         self._death = threading.Event()
         self._lock = threading.Lock()
         self._listeners: list[Callable[[Peer], None]] = []
         self._by_fd: dict[int, Peer] = {}
-        self._polled: list[Peer] = []  # no pidfd: looked up in /proc
+        self._polled: list[tuple[Peer, int]] = []  # no pidfd: looked up in /proc
+        self._heartbeats = heartbeats
         for peer in peers:
+            if peer.pid is None:
+                continue  # another pid namespace: its heartbeat tells
             try:
                 self._by_fd[os.pidfd_open(peer.pid)] = peer
             except ProcessLookupError:
                 self.dead = self.dead or peer
                 self._death.set()
             except (OSError, AttributeError):
-                self._polled.append(peer)
+                self._polled.append((peer, peer.pid))
+        # A failed collective waits this long to see whether a peer died, to name it.
+        self.settle_s = SILENT_S + 2 * BEAT_S if heartbeats is not None else PEER_EXIT_S
         self._wake_r, self._wake_w = os.pipe()
         self._thread = threading.Thread(target=self._watch, name="loaderplug-peers", daemon=True)
         self._thread.start()
@@ -90,6 +152,12 @@ class PeerWatch:
 
     @staticmethod
     def error(peer: Peer) -> DistributedError:
+        if peer.pid is None:
+            return DistributedError(
+                f"rank {peer.rank} of the shared load died (its heartbeat stopped for "
+                f"{SILENT_S:g} s; it runs on this host, in another pid namespace); this "
+                f"rank stops too"
+            )
         return DistributedError(
             f"rank {peer.rank} of the shared load died (process {peer.pid} on this host "
             f"exited before the load was done); this rank stops too"
@@ -111,17 +179,25 @@ class PeerWatch:
         poller.register(self._wake_r, select.POLLIN)
         for fd in self._by_fd:
             poller.register(fd, select.POLLIN)
-        timeout_ms = int(PROC_POLL_S * 1000) if self._polled else None
+        timeout_s = min(
+            [PROC_POLL_S] * bool(self._polled) + [BEAT_S] * (self._heartbeats is not None),
+            default=None,
+        )
+        timeout_ms = int(timeout_s * 1000) if timeout_s is not None else None
         if self.dead is not None:
             self._died(self.dead)
+        if self._heartbeats is not None:
+            self._heartbeats.beat()  # at once: a peer counts this rank's silence from it
         while True:
             for fd, _ in poller.poll(timeout_ms):
                 if fd == self._wake_r:
                     return
                 poller.unregister(fd)
                 self._died(self._by_fd[fd])
-            for peer in [p for p in self._polled if not _alive(p.pid)]:
-                self._polled.remove(peer)
+            for peer, pid in [(p, pid) for p, pid in self._polled if not _alive(pid)]:
+                self._polled.remove((peer, pid))
+                self._died(peer)
+            for peer in self._heartbeats.beat() if self._heartbeats is not None else []:
                 self._died(peer)
 
     def _died(self, peer: Peer) -> None:

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from loaderplug.settings import Settings
-from loaderplug.tensors.peers import Peer, pid_namespace
+from loaderplug.tensors.peers import Heartbeats, Peer, PeerWatch, pid_namespace
 from loaderplug.tensors.rank_collectives import collective
 
 
@@ -25,7 +25,8 @@ class Share:
     size: int
     global_ranks: tuple[int, ...]  # each member's rank in the default group
     timeout_s: int
-    peers: tuple[Peer, ...] = ()  # the other members whose processes this one can watch
+    peers: tuple[Peer, ...] = ()  # the other members, to watch
+    heartbeats: Any = None  # a store, where some member is in another pid namespace
 
 
 def share_for(
@@ -55,11 +56,9 @@ def share_for(
     if len(members) <= 1:
         return None
     peers = tuple(
-        Peer(dist.get_global_rank(group, r), ranks[r].pid)
+        Peer(dist.get_global_rank(group, r), ranks[r].pid if _visible(me_here, ranks[r]) else None)
         for r in here
         if ranks[r] != me_here
-        and me_here.pid_namespace is not None
-        and ranks[r].pid_namespace == me_here.pid_namespace
     )
     timeout = datetime.timedelta(seconds=settings.distributed_timeout_s)
     # Only this host's ranks take part in making their group (every host makes its own).
@@ -67,7 +66,34 @@ def share_for(
         list(members), timeout=timeout, backend="gloo", use_local_synchronization=True
     )
     me = members.index(dist.get_rank())
-    return Share(own, me, len(members), members, settings.distributed_timeout_s, peers)
+    beats = _heartbeat_store(own) if any(p.pid is None for p in peers) else None
+    return Share(own, me, len(members), members, settings.distributed_timeout_s, peers, beats)
+
+
+def watch(share: Share) -> PeerWatch:
+    """A watch on the share's other ranks: their processes, or their heartbeats."""
+    others = [peer for peer in share.peers if peer.pid is None]
+    me = share.global_ranks[share.rank]
+    beats = Heartbeats(share.heartbeats, me, others) if share.heartbeats is not None else None
+    return PeerWatch(share.peers, beats)
+
+
+def _visible(me: RankProcess, other: RankProcess) -> bool:
+    """Whether ``other``'s process id means the same process to this rank."""
+    return me.pid_namespace is not None and other.pid_namespace == me.pid_namespace
+
+
+def _heartbeat_store(group: Any) -> Any:
+    """Where the share's ranks keep their heartbeats: the default group's store, under a
+    prefix of this group's own (None where torch does not say what the store is)."""
+    import torch.distributed as dist
+
+    default_store = getattr(dist.distributed_c10d, "_get_default_store", None)
+    if default_store is None:
+        return None
+    return dist.distributed_c10d.PrefixStore(
+        f"loaderplug/heartbeats/{group.group_name}/", default_store()
+    )
 
 
 @dataclass(frozen=True)

@@ -26,9 +26,6 @@ from loaderplug.tensors.rank_share import Share
 
 log = logging.getLogger(__name__)
 
-# How long a failed collective waits to see whether a peer died, to name it.
-PEER_EXIT_S = 1.0
-
 # A sharing mode's hand-over: every tensor of the load, on this rank.
 SharedPairs = Generator[tuple[str, Any], None, None]
 
@@ -115,8 +112,8 @@ class Steps:
                     # gloo says "timed out", yet it is done and went well.
                     self.pending = None
                     return
-                # A peer's death closes its sockets a moment before it is seen to exit.
-                self.watch.check(wait_s=PEER_EXIT_S)
+                # A peer's death fails the collective a moment before it is seen.
+                self.watch.check(wait_s=self.watch.settle_s)
                 raise stopped_answering(exc) from exc
 
 

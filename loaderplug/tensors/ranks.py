@@ -52,12 +52,11 @@ from loaderplug.tensors.delivery import TensorDelivery
 from loaderplug.tensors.device_path import DevicePath
 from loaderplug.tensors.load import Load
 from loaderplug.tensors.load_plan import load_plan
-from loaderplug.tensors.peers import PeerWatch
 from loaderplug.tensors.rank_batches import STREAM_BATCH, LandedBatches
 from loaderplug.tensors.rank_broadcast import by_broadcast, data_group
 from loaderplug.tensors.rank_mode import SharingMode, owners, rank_part, sharing_mode
 from loaderplug.tensors.rank_pagecache import by_page_cache
-from loaderplug.tensors.rank_share import Share, share_for
+from loaderplug.tensors.rank_share import Share, share_for, watch
 from loaderplug.tensors.rank_steps import SharedPairs, Steps, agreed, free_groups, tear_down
 from loaderplug.tensors.rank_stream import by_stream
 
@@ -125,7 +124,7 @@ def _shared_pairs(
     local = Path(local_dir) if local_dir is not None else None
     # LOADERPLUG_BYTES_IN_FLIGHT bounds the host: the ranks sharing its load divide it.
     settings = settings.replace(bytes_in_flight=rank_part(settings.bytes_in_flight, share.size))
-    steps = Steps(share, PeerWatch(share.peers))
+    steps = Steps(share, watch(share))
     groups = [share.group]
     try:
         owner = owners(_sizes(files, steps), share.size)
