@@ -20,7 +20,7 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("torch.distributed")
 
-pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+pytestmark = [pytest.mark.distributed, pytest.mark.slow("two processes that import torch")]
 
 REPO = Path(__file__).resolve().parents[1]
 # Far past the test's patience: a rank that waits a collective out fails the test.

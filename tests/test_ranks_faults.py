@@ -39,7 +39,7 @@ def steps_alone() -> Steps:
 
 @pytest.mark.fuse
 @pytest.mark.distributed
-@pytest.mark.slow
+@pytest.mark.slow("two ranks, processes that import torch, on a FUSE volume")
 def test_a_forced_mapping_of_network_files_broadcasts_instead(tmp_path: Path) -> None:
     """LOADERPLUG_RANK_SHARING=pagecache with files read in place from a network
     filesystem: the ranks do not map them (a file truncated there would kill the
@@ -130,6 +130,7 @@ NEVER_STARTED = textwrap.dedent(
 
 
 @pytest.mark.distributed
+@pytest.mark.slow("a process that imports torch")
 def test_a_shared_load_never_started_frees_its_group(tmp_path: Path) -> None:
     script = tmp_path / "never_started.py"
     script.write_text(NEVER_STARTED)
@@ -174,7 +175,7 @@ def test_the_host_id_setting_still_decides() -> None:
 
 
 @pytest.mark.distributed
-@pytest.mark.slow
+@pytest.mark.slow("two ranks, processes that import torch")
 def test_ranks_with_local_folders_of_their_own_each_load_alone(tmp_path: Path) -> None:
     folder = tmp_path / "model"
     write_model(folder, 2 * MiB, shards=2)

@@ -52,7 +52,7 @@ def _in_own_pid_namespace_works() -> str | None:
 
 
 @pytest.mark.distributed
-@pytest.mark.slow
+@pytest.mark.slow("two ranks, processes that import torch")
 def test_a_rank_in_another_pid_namespace_that_dies_is_named_by_its_heartbeat(
     tmp_path: Path,
 ) -> None:
