@@ -27,7 +27,11 @@ pytest.importorskip("torch")
 pytest.importorskip("safetensors")
 pytest.importorskip("torch.distributed")
 
-pytestmark = [pytest.mark.distributed, pytest.mark.crash, pytest.mark.slow]
+pytestmark = [
+    pytest.mark.distributed,
+    pytest.mark.crash,
+    pytest.mark.slow("ranks in processes of their own, one killed, the others waiting to notice"),
+]
 
 # The ranks run at the default LOADERPLUG_DISTRIBUTED_TIMEOUT_S (600 s); one that hangs
 # for a tenth of it fails the test.

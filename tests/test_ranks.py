@@ -21,7 +21,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("safetensors")
 pytest.importorskip("torch.distributed")
 
-pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+pytestmark = pytest.mark.distributed
 
 
 @pytest.fixture
@@ -42,6 +42,7 @@ def test_files_are_split_by_bytes_the_same_way_everywhere() -> None:
     assert max(loads) - min(loads) <= 2
 
 
+@pytest.mark.slow("a FUSE test volume")
 def test_auto_shares_through_the_page_cache_but_where_a_stream_or_broadcast_is_faster(
     tmp_path: Path,
 ) -> None:
@@ -66,10 +67,18 @@ def test_auto_shares_through_the_page_cache_but_where_a_stream_or_broadcast_is_f
         # Once the local copy is current it is read instead: local files, the page cache.
         hydrate(vol.mountpoint, local, progress=False)
         assert sharing_mode([on_mirror], "cpu", local, auto) == "pagecache"
-    assert sharing_mode([on_disk], "cpu", None, auto) == "pagecache"
-    assert sharing_mode([on_disk], "cuda", None, auto) == "broadcast"
+    # Local files read in place: mapped where they are loaderplug's own copies.
+    own = from_env(progress=False, local_copies=str(tmp_path))
+    assert sharing_mode([on_disk], "cpu", None, own) == "pagecache"
+    assert sharing_mode([on_disk], "cuda", None, own) == "broadcast"
+    # A user's folder may be truncated under a mapping by another process: broadcast.
+    assert sharing_mode([on_disk], "cpu", None, auto) == "broadcast"
+    forced = from_env(progress=False, rank_sharing="pagecache")
+    with pytest.warns(UserWarning, match="not one of loaderplug's own copies"):
+        assert sharing_mode([on_disk], "cpu", None, forced) == "broadcast"
 
 
+@pytest.mark.slow("ranks in processes of their own, each importing torch")
 @pytest.mark.parametrize("sharing", ["pagecache", "broadcast", "stream"])
 @pytest.mark.parametrize("world", [2, 4])
 def test_every_rank_gets_every_tensor_and_each_file_is_read_once(
@@ -92,6 +101,7 @@ def test_every_rank_gets_every_tensor_and_each_file_is_read_once(
     assert len({r for ranks in readers.values() for r in ranks}) == world
 
 
+@pytest.mark.slow("ranks in processes of their own, each importing torch")
 @pytest.mark.parametrize("sharing", ["auto", "stream"])
 def test_a_one_pass_shared_by_ranks_leaves_one_identical_local_copy(
     tmp_path: Path, model8: list[Path], sharing: str
@@ -111,6 +121,7 @@ def test_a_one_pass_shared_by_ranks_leaves_one_identical_local_copy(
     assert all(set(out["reads"]) <= {f.name for f in model8} for out in outs)
 
 
+@pytest.mark.slow("ranks in processes of their own, each importing torch")
 @pytest.mark.parametrize("world", [2, 3])
 def test_a_streamed_one_pass_leaves_its_copy_on_disk_not_in_memory(
     tmp_path: Path, world: int
@@ -145,6 +156,7 @@ def test_a_streamed_one_pass_leaves_its_copy_on_disk_not_in_memory(
     assert cached["pagecache"] > 0.5, cached
 
 
+@pytest.mark.slow("ranks in processes of their own, each importing torch")
 def test_a_streaming_rank_with_nothing_landed_yet_does_not_hold_back_the_others(
     tmp_path: Path, model8: list[Path]
 ) -> None:
@@ -165,6 +177,7 @@ def test_a_streaming_rank_with_nothing_landed_yet_does_not_hold_back_the_others(
     assert outs[1]["first_tensor_s"] < 2, outs[1]["first_tensor_s"]
 
 
+@pytest.mark.slow("ranks in processes of their own, each importing torch")
 @pytest.mark.fuse
 @pytest.mark.parametrize("sharing", ["auto", "stream"])
 def test_a_one_pass_from_the_mirror_reads_the_volume_once_across_ranks(
@@ -189,6 +202,7 @@ def test_a_one_pass_from_the_mirror_reads_the_volume_once_across_ranks(
     )
 
 
+@pytest.mark.slow("ranks in processes of their own, each importing torch")
 def test_a_read_that_fails_on_one_rank_fails_every_rank_naming_it(
     tmp_path: Path, model8: list[Path]
 ) -> None:
@@ -209,6 +223,7 @@ def test_a_read_that_fails_on_one_rank_fails_every_rank_naming_it(
     assert took < 60
 
 
+@pytest.mark.slow("ranks in processes of their own, each importing torch")
 def test_a_rank_killed_mid_load_makes_the_others_fail_within_the_timeout(
     tmp_path: Path, model8: list[Path]
 ) -> None:
@@ -224,6 +239,7 @@ def test_a_rank_killed_mid_load_makes_the_others_fail_within_the_timeout(
     assert took < 50
 
 
+@pytest.mark.slow("ranks in processes of their own, each importing torch")
 def test_distributed_off_has_every_rank_read_everything(tmp_path: Path, model8: list[Path]) -> None:
     outs, _ = run_ranks(tmp_path, model8, 2, {"LOADERPLUG_DISTRIBUTED": "off"})
     want = expected(model8)
@@ -232,6 +248,7 @@ def test_distributed_off_has_every_rank_read_everything(tmp_path: Path, model8: 
         assert sorted(out["reads"]) == sorted(f.name for f in model8)
 
 
+@pytest.mark.slow("ranks in processes of their own, each importing torch")
 def test_the_initialised_default_group_is_found_and_a_group_of_one_is_no_group(
     tmp_path: Path, model8: list[Path]
 ) -> None:
@@ -243,6 +260,7 @@ def test_the_initialised_default_group_is_found_and_a_group_of_one_is_no_group(
     assert sorted(outs[0]["reads"]) == sorted(f.name for f in model8)
 
 
+@pytest.mark.slow("ranks in processes of their own, each importing torch")
 @pytest.mark.parametrize("sharing", ["pagecache", "broadcast", "stream"])
 def test_two_hosts_each_read_the_model_once_and_keep_their_own_copy(
     tmp_path: Path, model8: list[Path], sharing: str
@@ -276,6 +294,7 @@ def test_two_hosts_each_read_the_model_once_and_keep_their_own_copy(
             assert (tmp_path / host / f.name).read_bytes() == f.read_bytes()
 
 
+@pytest.mark.slow("ranks in processes of their own, each importing torch")
 @pytest.mark.parametrize("sharing", ["pagecache", "stream"])
 def test_ranks_mapping_each_others_files_hand_over_tensors_on_the_loads_device(
     tmp_path: Path, model8: list[Path], sharing: str
@@ -292,6 +311,7 @@ def test_ranks_mapping_each_others_files_hand_over_tensors_on_the_loads_device(
         assert out["sharing"] == sharing
 
 
+@pytest.mark.slow("ranks in processes of their own, each importing torch")
 @pytest.mark.parametrize("sharing", ["broadcast", "pagecache", "stream"])
 def test_ranks_loading_to_a_device_with_a_backend_get_every_tensor_whole(
     tmp_path: Path, model8: list[Path], sharing: str
@@ -309,6 +329,7 @@ def test_ranks_loading_to_a_device_with_a_backend_get_every_tensor_whole(
         assert (out["host_copied_bytes"] == 0) == (sharing == "broadcast"), out
 
 
+@pytest.mark.slow("ranks in processes of their own, each importing torch")
 @pytest.mark.parametrize("sharing", ["stream", "pagecache"])
 def test_a_rank_that_cannot_map_a_file_fails_the_load_on_every_rank(
     tmp_path: Path, model8: list[Path], sharing: str
@@ -325,6 +346,7 @@ def test_a_rank_that_cannot_map_a_file_fails_the_load_on_every_rank(
     assert len(outs[0]["tensors"]) < len(expected(model8))
 
 
+@pytest.mark.slow("ranks in processes of their own, each importing torch")
 @pytest.mark.parametrize("sharing", ["pagecache", "broadcast", "stream"])
 def test_ranks_divide_the_hosts_memory_budget(tmp_path: Path, sharing: str) -> None:
     """LOADERPLUG_BYTES_IN_FLIGHT bounds the host: each of two ranks loads within half of

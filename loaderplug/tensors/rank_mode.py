@@ -49,19 +49,48 @@ def sharing_mode(
     socket); the page cache 1.05-1.29x (it waits for whole files, and holds the whole
     copy in memory). A broadcast otherwise: for CUDA tensors, and for network files
     read in place, whose pages another process's mapping would read again from the
-    network. A forced mode that maps files (pagecache, stream) is never used on a
-    network filesystem: a warning says so and the ranks broadcast. Ranks may see a
+    network. Only loaderplug's own local copies on a local filesystem are mapped (see
+    :func:`_not_to_map`): a forced mode that maps files (pagecache, stream) is not used
+    on any other file; a warning says so and the ranks broadcast. Ranks may see a
     local copy change between their looks: :func:`loaderplug.tensors.ranks.shared_tensors`
     makes them agree."""
-    folders = {local_dir} if local_dir is not None else {p.parent for p in paths}
-    on_network = _network_folders(folders)
+    unmappable = _not_to_map(paths, local_dir, settings)
     if settings.rank_sharing != "auto":
-        return _forced(settings.rank_sharing, on_network)
-    if device != "cpu" or on_network:
+        return _forced(settings.rank_sharing, unmappable)
+    if device != "cpu" or unmappable:
         return "broadcast"
     if local_dir is not None and copies_from_network(paths, local_dir):
         return "stream"
     return "pagecache"
+
+
+def _not_to_map(
+    paths: Sequence[Path], local_dir: Path | None, settings: Settings
+) -> tuple[Path, str] | None:
+    """A folder whose files the ranks would map and must not, with why; None if every
+    file they would map is one of loaderplug's own local copies on a local filesystem.
+
+    A mapped page past a file's new end kills the process (SIGBUS), so only files that
+    nothing truncates are mapped: the copies loaderplug publishes (replaced by rename,
+    never rewritten in place), not a user's folder, and nothing on a network filesystem,
+    where another machine may truncate what this host maps."""
+    folders = {local_dir} if local_dir is not None else {p.parent for p in paths}
+    on_network = _network_folders(folders)
+    if on_network:
+        folder, fs = next(iter(on_network.items()))
+        return folder, f"on a network filesystem ({fs}), where another machine may truncate it"
+    own = _real(settings.local_models_dir)
+    for folder in sorted(folders):
+        if local_dir is None and not _real(folder).is_relative_to(own):
+            return folder, "not one of loaderplug's own copies, so another process may truncate it"
+    return None
+
+
+def _real(path: Path) -> Path:
+    try:
+        return path.resolve()
+    except OSError:
+        return path
 
 
 def _network_folders(folders: set[Path]) -> dict[Path, str]:
@@ -70,17 +99,15 @@ def _network_folders(folders: set[Path]) -> dict[Path, str]:
     return {folder: fs for folder, fs in sorted(types.items()) if is_network_type(fs)}
 
 
-def _forced(mode: SharingMode, on_network: dict[Path, str]) -> SharingMode:
-    """The mode LOADERPLUG_RANK_SHARING forces, but never a mapping of a network file:
-    another machine may truncate it while this host maps it, and a mapped page past
-    the file's new end kills the process (SIGBUS). Those ranks broadcast instead."""
-    if mode == "broadcast" or not on_network:
+def _forced(mode: SharingMode, unmappable: tuple[Path, str] | None) -> SharingMode:
+    """The mode LOADERPLUG_RANK_SHARING forces, but never a mapping of a file that may
+    be truncated under it (see :func:`_not_to_map`): those ranks broadcast instead."""
+    if mode == "broadcast" or unmappable is None:
         return mode
-    folder, fs = next(iter(on_network.items()))
+    folder, why = unmappable
     warnings.warn(
         f"LOADERPLUG_RANK_SHARING={mode} is not used: the ranks would map files in "
-        f"{folder}, on a network filesystem ({fs}), where another machine may truncate a "
-        f"file under the mapping (SIGBUS); they broadcast the tensors instead",
+        f"{folder}, {why} under the mapping (SIGBUS); they broadcast the tensors instead",
         stacklevel=3,
     )
     return "broadcast"

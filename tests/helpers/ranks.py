@@ -46,6 +46,9 @@ def run_ranks(
         "LOADERPLUG_READERS": "4",
         "LOADERPLUG_FSYNC": "0",
         "LOADERPLUG_IO_PROBE": "0",  # as in every test (see conftest)
+        # The test's files stand for loaderplug's own local copies, which ranks may map
+        # (a user's folder is broadcast: tests/test_ranks_faults.py).
+        "LOADERPLUG_LOCAL_COPIES": str(tmp_path),
         **(env or {}),
     }
     started = time.monotonic()
