@@ -32,7 +32,14 @@ FAST = {
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Tests marked ``fuse`` are skipped, with the reason, where FUSE is missing."""
+    """A ``slow`` test must say why it is slow; tests marked ``fuse`` are skipped, with
+    the reason, where FUSE is missing."""
+    unexplained = [item.nodeid for item in items if _slow_without_a_reason(item)]
+    if unexplained:
+        raise pytest.UsageError(
+            'a slow test says why in its marker, @pytest.mark.slow("starts vLLM"): '
+            + ", ".join(unexplained)
+        )
     fuse_tests = [item for item in items if item.get_closest_marker("fuse")]
     if not fuse_tests:
         return
@@ -42,6 +49,13 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     if reason is not None:
         for item in fuse_tests:
             item.add_marker(pytest.mark.skip(reason=f"FUSE: {reason}"))
+
+
+def _slow_without_a_reason(item: pytest.Item) -> bool:
+    return any(
+        not (mark.args and isinstance(mark.args[0], str) and mark.args[0].strip())
+        for mark in item.iter_markers("slow")
+    )
 
 
 @pytest.fixture(autouse=True)
