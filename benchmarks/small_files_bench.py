@@ -39,7 +39,9 @@ from common import compile_loaderplug, drop_cache, run_child, run_timed
 from loaderplug.units import GiB, MiB
 
 HERE = Path(__file__).resolve().parent
-CONTENDERS = ("loaderplug", "load_file", "safe_open")
+# loaderplug_own: the same files as loaderplug's own local copies (LOADERPLUG_LOCAL_COPIES),
+# which it maps where they are in memory; any other file it reads into memory of its own.
+CONTENDERS = ("loaderplug", "loaderplug_own", "load_file", "safe_open")
 SHARDS = (1, 4, 32)
 SIZES = (16 * MiB, 128 * MiB, GiB, 4 * GiB)
 QUICK_SHARDS = SHARDS
@@ -94,7 +96,7 @@ def run_one(name: str, files: list[str]) -> dict[str, float]:
     plugin_manager()
     torch.set_num_threads(1)
     started = time.perf_counter()
-    if name == "loaderplug":
+    if name.startswith("loaderplug"):
         tensors = [t for _, t in iter_tensors(files, progress=False)]
     elif name == "load_file":
         tensors = [t for f in files for t in load_file(f).values()]
@@ -123,7 +125,10 @@ def child_env(tree: Path | None) -> dict[str, str]:
 
 
 def measure(name: str, files: list[str], tree: Path | None) -> dict[str, float]:
-    return run_child([sys.executable, __file__, "--run", name, *files], child_env(tree))
+    env = child_env(tree)
+    if name == "loaderplug_own":
+        env["LOADERPLUG_LOCAL_COPIES"] = str(Path(files[0]).parent)
+    return run_child([sys.executable, __file__, "--run", name, *files], env)
 
 
 def size_label(nbytes: int) -> str:
@@ -156,7 +161,8 @@ def run_cell(
 ) -> list[dict[str, object]]:
     runs: dict[str, dict[str, list[float]]] = {"cold": {}, "warm": {}}
     for round_ in range(rounds):
-        order = CONTENDERS[round_ % 3 :] + CONTENDERS[: round_ % 3]
+        turn = round_ % len(CONTENDERS)
+        order = CONTENDERS[turn:] + CONTENDERS[:turn]
         for state in ("cold", "warm"):
             for name in order:
                 drop_cache(files) if state == "cold" else warm_cache(files)
@@ -177,29 +183,32 @@ def run_cell(
     ]
 
 
-def ratios(cell: dict[str, object], peer: str) -> list[float]:
-    """loaderplug's seconds over ``peer``'s, round by round."""
+def ratios(cell: dict[str, object], peer: str, ours: str = "loaderplug") -> list[float]:
+    """``ours``'s seconds over ``peer``'s, round by round."""
     runs = cell["runs"]
     assert isinstance(runs, dict)
-    return [a / b for a, b in zip(runs["loaderplug"], runs[peer], strict=True)]
+    return [a / b for a, b in zip(runs[ours], runs[peer], strict=True)]
 
 
 def grid_table(cells: list[dict[str, object]]) -> str:
     lines = [
         "| cell | loaderplug s | load_file s | safe_open s | x load_file (median, min-max) | "
-        "x safe_open |",
-        "|---|---|---|---|---|---|",
+        "x safe_open | own copy s | own copy x load_file (median, min-max) |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for cell in sorted(cells, key=lambda c: (c["cache"], c["shards"], c["size"])):  # type: ignore[return-value]
         runs = cell["runs"]
         assert isinstance(runs, dict)
         med = {name: statistics.median(runs[name]) for name in CONTENDERS}
         by_file, by_open = ratios(cell, "load_file"), ratios(cell, "safe_open")
+        own = ratios(cell, "load_file", ours="loaderplug_own")
         label = f"{cell['cache']} {cell['shards']} shards {size_label(cell['size'])}"  # type: ignore[arg-type]
         lines.append(
             f"| {label} | {med['loaderplug']:.3f} | {med['load_file']:.3f} | "
             f"{med['safe_open']:.3f} | {statistics.median(by_file):.2f} "
-            f"({min(by_file):.2f}-{max(by_file):.2f}) | {statistics.median(by_open):.2f} |"
+            f"({min(by_file):.2f}-{max(by_file):.2f}) | {statistics.median(by_open):.2f} | "
+            f"{med['loaderplug_own']:.3f} | {statistics.median(own):.2f} "
+            f"({min(own):.2f}-{max(own):.2f}) |"
         )
     return "\n".join(lines)
 
