@@ -167,6 +167,7 @@ def test_the_storage_bench_measures_the_mount_again_and_keeps_it(big: Path) -> N
     assert off.measured is None  # LOADERPLUG_IO_PROBE=0 here (conftest)
 
 
+@pytest.mark.slow("8 processes that each measure a mount")
 def test_processes_probing_one_new_mount_at_once_agree_and_leave_one_valid_file(
     big: Path, tmp_path: Path
 ) -> None:

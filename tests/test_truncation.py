@@ -88,7 +88,14 @@ def user_folder(request: pytest.FixtureRequest, tmp_path: Path) -> Path:
     return model_in(folder)
 
 
-@pytest.mark.parametrize("how", ["empty", "half", "rewritten"])
+# Each trial is a process that imports torch: the edit loop runs one.
+SLOW_TRIAL = pytest.mark.slow("a process that imports torch per trial")
+
+
+@pytest.mark.parametrize(
+    "how",
+    ["half", pytest.param("empty", marks=SLOW_TRIAL), pytest.param("rewritten", marks=SLOW_TRIAL)],
+)
 def test_tensors_of_a_users_file_survive_it_shrinking(user_folder: Path, how: str) -> None:
     done = trial(user_folder, how)
     assert done.returncode == 0, (

@@ -195,6 +195,7 @@ def test_a_copier_without_its_descriptor_fails_naming_it() -> None:
         fst_seam.set_copier_fd(Copier(), 4)
 
 
+@pytest.mark.slow("imports vLLM")
 def test_vllm_without_its_fastsafetensors_iterator(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
