@@ -244,15 +244,7 @@ class TensorDelivery:
             finally:
                 source.close()
 
-        def give_up(exc: OSError, attempts: int | None) -> FileError:
-            tries = f" after {attempts} attempts" if attempts else ""
-            return FileError(
-                f"{path}: reading the header failed{tries}: {exc.strerror or exc}",
-                path=path,
-                errno=exc.errno,
-            )
-
-        header, retries = retrying(read, self.retry, give_up)
+        header, retries = retrying(read, self.retry, _gives_up(path, "reading the header"))
         self.retries += retries
         return header
 
@@ -334,15 +326,7 @@ class _Reads:
                 )
             return got
 
-        def give_up(exc: OSError, attempts: int | None) -> FileError:
-            tries = f" after {attempts} attempts" if attempts else ""
-            return FileError(
-                f"{path}: reading it failed{tries}: {exc.strerror or exc}",
-                path=path,
-                errno=exc.errno,
-            )
-
-        got, retries = retrying(attempt, delivery.retry, give_up)
+        got, retries = retrying(attempt, delivery.retry, _gives_up(path, "reading it"))
         delivery.retries += retries
         delivery.bytes_read_here += min(got, len(view))
         return got
@@ -560,3 +544,15 @@ class TensorsOf(Iterator[tuple[str, Any]]):
     def __next__(self) -> tuple[str, Any]:
         event = next(self._ready)
         return event.name, event.tensor
+
+
+def _gives_up(path: str, reading: str) -> Callable[[OSError, int | None], FileError]:
+    """The error a read of ``path`` ends with once its retries are spent."""
+
+    def give_up(exc: OSError, attempts: int | None) -> FileError:
+        tries = f" after {attempts} attempts" if attempts else ""
+        return FileError(
+            f"{path}: {reading} failed{tries}: {exc.strerror or exc}", path=path, errno=exc.errno
+        )
+
+    return give_up
