@@ -264,8 +264,10 @@ def probe(path: str, key: str, guess: IOPolicy, alignment: int) -> Measurement |
             nbytes, seconds = _read_region(path, policy, start, quarter, PROBE_SECONDS / 4)
             figures[policy.direct][0] += nbytes
             figures[policy.direct][1] += seconds
-            if not policy.direct:  # the job's buffered reads must not find them cached
-                _forget(path, start, quarter)
+            if not policy.direct:
+                # The job's buffered reads must not find them cached: the whole file,
+                # for readahead brings in pages past the slice's end too.
+                _forget(path, 0, 0)
     except OSError:
         return None
     (direct_bytes, direct_s), (buffered_bytes, buffered_s) = figures[True], figures[False]
