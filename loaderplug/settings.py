@@ -31,7 +31,14 @@ from pathlib import Path
 from typing import Any, Literal, get_args
 
 from loaderplug.errors import SettingsError
-from loaderplug.types import DirectIO, Distributed, RankSharing, WeightsDevice, WeightsReader
+from loaderplug.types import (
+    DirectIO,
+    Distributed,
+    HostSplit,
+    RankSharing,
+    WeightsDevice,
+    WeightsReader,
+)
 from loaderplug.units import GiB, KiB, MiB, format_size, parse_size
 
 # With LOADERPLUG_READERS=auto, readers the budget is split for when the source
@@ -308,6 +315,17 @@ class Settings:
         "local folder (ranks that do not see the same files are not one host). "
         "Containers on one machine that should each count as a host of their own set "
         "one each.",
+    )
+    host_split: HostSplit = _setting(
+        "choice",
+        "auto",
+        "When the ranks of a group run on several hosts and a one pass hydrates a local "
+        "copy on each: on, the hosts split the mirror's ranges between them, each reads "
+        "about 1/H from its own mount and they exchange what they read over the group, so "
+        "the mirror is read once in all; off, every host reads the whole model itself; "
+        "auto, on with two or more hosts while the exchange measured at the start beats "
+        "the mirror's measured rate. One host: never.",
+        choices=get_args(HostSplit),
     )
     rank_sharing: RankSharing = _setting(
         "choice",

@@ -24,6 +24,7 @@ DirectIO = Literal["auto", "on", "off"]
 WeightsReader = Literal["loaderplug", "fastsafetensors"]
 WeightsDevice = Literal["auto", "cpu", "model"]
 Distributed = Literal["auto", "off"]
+HostSplit = Literal["auto", "on", "off"]
 RankSharing = Literal["auto", "pagecache", "broadcast", "stream"]
 MirrorKind = Literal["hub", "folder"]
 

@@ -34,7 +34,7 @@ RANK = textwrap.dedent(
     from loaderplug.errors import DistributedError
     from loaderplug.settings import from_env
     from loaderplug.tensors.peers import PeerWatch
-    from loaderplug.tensors.rank_share import share_for
+    from loaderplug.tensors.rank_share import share_for, world_of
     from loaderplug.tensors.rank_steps import Steps, tear_down
 
     init, rank = sys.argv[1], int(sys.argv[2])
@@ -42,7 +42,8 @@ RANK = textwrap.dedent(
     dist.init_process_group(
         "gloo", init_method=f"file://{init}", rank=rank, world_size=2, timeout=timeout
     )
-    share = share_for(dist.group.WORLD, from_env(progress=False))
+    settings = from_env(progress=False)
+    share = share_for(world_of(dist.group.WORLD, settings), settings)
     steps = Steps(share, PeerWatch(share.peers))
     if rank == 1:
         child = os.fork()

@@ -176,6 +176,8 @@ def loaded(load: Load) -> str:
         parts.append(f"first tensor at {load.first_tensor_s:.2f} s")
     if load.sharing is not None:
         parts.append(f"the ranks on this host shared the rest by {load.sharing}")
+    if load.hosts is not None:
+        parts.append(load.hosts.describe())
     return "; ".join(parts)
 
 

@@ -213,6 +213,11 @@ class FileSink:
             except OSError as exc:  # published already: say so, but it is not a failure
                 log.warning("%s is in place but its folder could not be fsync'd: %s", self.dst, exc)
 
+    def leave(self) -> None:
+        """Stop writing, keeping the partial copy and its journal for a rerun to resume."""
+        if self.journal is not None:
+            self.journal.close()
+
     def abort(self) -> None:
         with contextlib.suppress(FileNotFoundError, NotADirectoryError):
             os.unlink(self.temp)

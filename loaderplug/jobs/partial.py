@@ -107,6 +107,13 @@ class Journal:
             if self.fsync:
                 os.fdatasync(self._fd)
 
+    def close(self) -> None:
+        """Stop journalling, keeping the journal for the next run to resume from."""
+        with self._lock:
+            if self._fd >= 0:
+                os.close(self._fd)
+                self._fd = -1
+
     def remove(self) -> None:
         with self._lock:
             if self._fd >= 0:

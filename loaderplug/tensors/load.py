@@ -17,6 +17,7 @@ from loaderplug.jobs.runner import Runner
 from loaderplug.report import TransferReport
 from loaderplug.tensors.delivery import TensorDelivery, TensorReady
 from loaderplug.tensors.device_path import DevicePath
+from loaderplug.tensors.host_split import HostsChoice
 
 if TYPE_CHECKING:
     import torch
@@ -44,6 +45,8 @@ class Load(Iterator[tuple[str, "torch.Tensor"]]):
         # For ranks sharing the load: pagecache, stream or broadcast, and each file's reader.
         self.sharing: str | None = None
         self.owners: dict[str, int] = {}
+        # For ranks on several hosts: whether the hosts split the reads, and why.
+        self.hosts: HostsChoice | None = None
         # The memory budget this process loaded within: LOADERPLUG_BYTES_IN_FLIGHT, or
         # its part of it when ranks on the host share the load.
         self.bytes_in_flight: int | None = None
@@ -77,6 +80,8 @@ class Load(Iterator[tuple[str, "torch.Tensor"]]):
                 )
                 if self.sharing is not None:
                     self._stats.update(sharing=self.sharing, owners=self.owners)
+                if self.hosts is not None:
+                    self._stats.update(hosts=self.hosts)
             raise
 
     def close(self) -> None:

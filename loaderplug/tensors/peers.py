@@ -16,8 +16,10 @@ namespace (a container of its own, with the host's network and files) is watched
 heartbeat instead: each such rank counts up a key of its own in the group's store every
 :data:`BEAT_S` from a thread of its own, and one whose count stood still for
 :data:`SILENT_S` has died. A rank that is merely slow is never taken for dead: only an
-exit counts, or a heartbeat that stopped for far longer than any slow step takes. A
-rank on another host is left to the collectives' own failure and timeout.
+exit counts, or a heartbeat that stopped for far longer than any slow step takes. The
+hosts that split a one pass (:mod:`loaderplug.tensors.host_split`) watch each other's
+leading rank by heartbeat too: a pidfd cannot see another host, and a host whose network
+stalls closes no socket.
 """
 
 from __future__ import annotations
@@ -60,6 +62,7 @@ class Peer:
 
     rank: int
     pid: int | None
+    hostname: str | None = None  # set for a rank on another host
 
 
 def pid_namespace() -> str | None:
@@ -152,6 +155,12 @@ class PeerWatch:
 
     @staticmethod
     def error(peer: Peer) -> DistributedError:
+        if peer.hostname is not None:
+            return DistributedError(
+                f"host {peer.hostname} (rank {peer.rank}) of the shared load stopped "
+                f"answering: its heartbeat stood still for {SILENT_S:g} s (the host died, "
+                f"or the network to it stalled); this rank stops too"
+            )
         if peer.pid is None:
             return DistributedError(
                 f"rank {peer.rank} of the shared load died (its heartbeat stopped for "

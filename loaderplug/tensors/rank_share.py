@@ -1,5 +1,6 @@
-"""Which ranks share a load: those of the group on this host, in a gloo group of
-loaderplug's own, and the processes among them this rank can watch."""
+"""Which ranks share a load: where every rank of the group runs (:class:`World`), those
+of this host in a gloo group of loaderplug's own, and the processes among them this
+rank can watch."""
 
 from __future__ import annotations
 
@@ -29,13 +30,27 @@ class Share:
     heartbeats: Any = None  # a store, where some member is in another pid namespace
 
 
-def share_for(
+@dataclass(frozen=True)
+class World:
+    """Where every rank of a group runs, as gathered once at the start of a load."""
+
+    group: Any  # torch.distributed.ProcessGroup
+    ranks: tuple[RankProcess, ...]  # by rank in ``group``
+    me: int  # this rank in ``group``
+
+    def hosts(self) -> list[list[int]]:
+        """The group's ranks by host, hosts in the order of their first rank."""
+        by_host: dict[str, list[int]] = {}
+        for rank, process in enumerate(self.ranks):
+            by_host.setdefault(process.host, []).append(rank)
+        return list(by_host.values())
+
+
+def world_of(
     group: Any, settings: Settings, local_dir: str | os.PathLike[str] | None = None
-) -> Share | None:
-    """The ranks on this host that share a load with this one, or None to load alone:
-    sharing is off, no group is given or initialised, or it has one rank here. Ranks
-    share a host when they share its filesystems (see :func:`host_id`); ``local_dir``
-    is the folder a one pass publishes into."""
+) -> World | None:
+    """Where the ranks of ``group`` (None: the initialised default group) run, or None
+    to load alone: sharing is off, or there is no group of more than one rank."""
     if settings.distributed == "off":
         return None
     import torch.distributed as dist
@@ -48,17 +63,27 @@ def share_for(
     if size <= 1:
         return None
     ranks: list[Any] = [None] * size
-    here_now = RankProcess.here(settings, local_dir)
-    collective(dist.all_gather_object, ranks, here_now, group=group)
-    me_here = ranks[dist.get_rank(group)]
-    here = [r for r, rank in enumerate(ranks) if rank.host == me_here.host]
+    collective(dist.all_gather_object, ranks, RankProcess.here(settings, local_dir), group=group)
+    return World(group, tuple(ranks), dist.get_rank(group))
+
+
+def share_for(world: World | None, settings: Settings) -> Share | None:
+    """The ranks on this host that share a load with this one, or None to load alone
+    (no ``world``, or it has one rank here). Ranks share a host when they share its
+    filesystems (see :func:`host_id`)."""
+    if world is None:
+        return None
+    import torch.distributed as dist
+
+    group, ranks, me_here = world.group, world.ranks, world.ranks[world.me]
+    here = next(members for members in world.hosts() if world.me in members)
     members = tuple(dist.get_global_rank(group, r) for r in here)
     if len(members) <= 1:
         return None
     peers = tuple(
         Peer(dist.get_global_rank(group, r), ranks[r].pid if _visible(me_here, ranks[r]) else None)
         for r in here
-        if ranks[r] != me_here
+        if r != world.me
     )
     timeout = datetime.timedelta(seconds=settings.distributed_timeout_s)
     # Only this host's ranks take part in making their group (every host makes its own).
@@ -66,7 +91,7 @@ def share_for(
         list(members), timeout=timeout, backend="gloo", use_local_synchronization=True
     )
     me = members.index(dist.get_rank())
-    beats = _heartbeat_store(own) if any(p.pid is None for p in peers) else None
+    beats = heartbeat_store(own) if any(p.pid is None for p in peers) else None
     return Share(own, me, len(members), members, settings.distributed_timeout_s, peers, beats)
 
 
@@ -83,7 +108,7 @@ def _visible(me: RankProcess, other: RankProcess) -> bool:
     return me.pid_namespace is not None and other.pid_namespace == me.pid_namespace
 
 
-def _heartbeat_store(group: Any) -> Any:
+def heartbeat_store(group: Any) -> Any:
     """Where the share's ranks keep their heartbeats: the default group's store, under a
     prefix of this group's own (None where torch does not say what the store is)."""
     import torch.distributed as dist
@@ -103,11 +128,22 @@ class RankProcess:
     host: str
     pid: int
     pid_namespace: str | None
+    hostname: str = ""  # the host's name, for messages
 
     @staticmethod
     def here(settings: Settings, local_dir: str | os.PathLike[str] | None = None) -> RankProcess:
-        host = settings.host_id or host_id(local_dir)
-        return RankProcess(host, os.getpid(), pid_namespace())
+        host = settings.host_id or torchrun_host(local_dir) or host_id(local_dir)
+        return RankProcess(host, os.getpid(), pid_namespace(), socket.gethostname())
+
+
+def torchrun_host(local_dir: str | os.PathLike[str] | None = None) -> str | None:
+    """The host torchrun says this rank runs on (its node, ``GROUP_RANK``, when torchrun
+    set ``LOCAL_WORLD_SIZE`` too), with the local folder as :func:`host_id` has it:
+    ranks of one node with different local folders do not share a copy. None elsewhere."""
+    node = os.environ.get("GROUP_RANK")
+    if node is None or os.environ.get("LOCAL_WORLD_SIZE") is None:
+        return None
+    return f"torchrun-node-{node}/{_folder_identity(local_dir)}"
 
 
 def host_id(local_dir: str | os.PathLike[str] | None = None) -> str:

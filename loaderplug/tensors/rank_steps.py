@@ -86,6 +86,15 @@ class Steps:
             log.info("rank %s also met: %s", self.share.global_ranks[self.share.rank], told)
         raise exc
 
+    def gather(self, tensor: Any) -> list[Any]:
+        """Every rank's ``tensor`` (all of one shape), in rank order, watched."""
+        import torch
+        import torch.distributed as dist
+
+        gathered = [torch.empty_like(tensor) for _ in range(self.share.size)]
+        self._wait(dist.all_gather(gathered, tensor, group=self.share.group, async_op=True))
+        return gathered
+
     def broadcast(self, raw: Any, src: int, group: Any) -> None:
         """``raw`` from global rank ``src`` to the others over ``group``: the share's
         own, watched, or an NCCL group (blocking: NCCL's own watchdog guards it)."""

@@ -56,7 +56,7 @@ from loaderplug.tensors.rank_batches import STREAM_BATCH, LandedBatches
 from loaderplug.tensors.rank_broadcast import by_broadcast, data_group
 from loaderplug.tensors.rank_mode import SharingMode, owners, rank_part, sharing_mode
 from loaderplug.tensors.rank_pagecache import by_page_cache
-from loaderplug.tensors.rank_share import Share, share_for, watch
+from loaderplug.tensors.rank_share import Share, World, share_for, watch, world_of
 from loaderplug.tensors.rank_steps import SharedPairs, Steps, agreed, free_groups, tear_down
 from loaderplug.tensors.rank_stream import by_stream
 
@@ -64,11 +64,13 @@ __all__ = [
     "STREAM_BATCH",
     "LandedBatches",
     "Share",
+    "World",
     "owners",
     "rank_part",
     "share_for",
     "shared_tensors",
     "sharing_mode",
+    "world_of",
 ]
 
 

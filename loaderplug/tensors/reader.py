@@ -23,9 +23,11 @@ from typing import TYPE_CHECKING, Any
 from loaderplug.jobs.runner import Runner
 from loaderplug.settings import Settings, from_env
 from loaderplug.tensors.device_path import device_path_for
+from loaderplug.tensors.host_split import split_across_hosts
 from loaderplug.tensors.load import Load, Pairs, RunnerPairs
 from loaderplug.tensors.load_plan import load_plan
-from loaderplug.tensors.ranks import share_for, shared_tensors
+from loaderplug.tensors.rank_steps import free_groups
+from loaderplug.tensors.ranks import share_for, shared_tensors, world_of
 
 if TYPE_CHECKING:
     import torch
@@ -66,7 +68,14 @@ def iter_tensors(
 
     def start(load: Load) -> Pairs:
         path = device_path_for(device, job_settings)  # the one place the device is decided
-        share = share_for(group, job_settings, local_dir)
+        world = world_of(group, job_settings, local_dir)
+        share = share_for(world, job_settings)
+        try:
+            load.hosts = split_across_hosts(paths, local_dir, world, share, job_settings)
+        except BaseException:
+            if share is not None:
+                free_groups([share.group])
+            raise
         if share is not None:
             return shared_tensors(paths, path, local_dir, job_settings, share, load)
         return RunnerPairs(

@@ -14,9 +14,12 @@ map the other ranks' files: ENOMEM, as when the address space runs out), RANK_DE
 (load to that device: a tensor off the CPU is recorded by its device, not its bytes),
 RANK_FAKE_DEVICE=1 (CUDA devices are the stand-in of loaderplug.testing.fake_device,
 whose memory is the host's: its tensors are recorded by their bytes), RANK_GROUP=none (no group
-passed: the default group is found), and every LOADERPLUG_* setting. Prints {"tensors":
+passed: the default group is found), RANK_VOLUME (what "{volume}" in a FILE stands for:
+this rank's mount of the mirror), and every LOADERPLUG_* setting. INIT_FILE "env" joins
+by torchrun's variables (RANK, WORLD_SIZE, MASTER_ADDR, ...), RANK and WORLD ignored. Prints {"tensors":
 {name: [dtype, shape, crc32]}, "reads": {file: bytes read through the source hook},
-"read_paths": the same by path, "error": message or null, "seconds": s, "first_tensor_s":
+"read_paths": the same by path, "hosts": what the hosts did (split, why, bytes read
+from this host's mirror and received), "error": message or null, "seconds": s, "first_tensor_s":
 the load's, "failed_at":
 unix time of the error, "rss_growth": peak resident bytes over those before the load}.
 """
@@ -83,12 +86,14 @@ def die() -> None:
 
 def main() -> int:
     init, rank, world = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-    files = sys.argv[4:]
+    # "{volume}" in a file's path is this rank's mount of the mirror (RANK_VOLUME).
+    files = [f.replace("{volume}", os.environ.get("RANK_VOLUME", "")) for f in sys.argv[4:]]
     dist.init_process_group(
         "gloo",
-        init_method=f"file://{init}",
-        rank=rank,
-        world_size=world,
+        # "env": torchrun's variables (simulated hosts), rank and world from them.
+        init_method="env://" if init == "env" else f"file://{init}",
+        rank=int(os.environ["RANK"]) if init == "env" else rank,
+        world_size=int(os.environ["WORLD_SIZE"]) if init == "env" else world,
         timeout=datetime.timedelta(seconds=60),
     )
     plugins.register(Count())
@@ -135,6 +140,16 @@ def main() -> int:
     out["reads"] = reads
     out["read_paths"] = read_paths
     out["sharing"] = load.sharing
+    if load.hosts is not None:
+        done = load.hosts.exchanged
+        out["hosts"] = {
+            "hosts": load.hosts.hosts,
+            "split": load.hosts.split,
+            "why": load.hosts.why,
+            "mirror_bytes": done.mirror_bytes if done else None,
+            "received_bytes": done.received_bytes if done else None,
+            "disk_bytes": done.disk_bytes if done else None,
+        }
     out["first_tensor_s"] = load.first_tensor_s
     out["bytes_in_flight"] = load.bytes_in_flight
     out["host_copied_bytes"] = load.host_copied_bytes
