@@ -49,6 +49,8 @@ from loaderplug.units import MiB
 # two small collectives cost little next to its bytes, small enough to overlap.
 EXCHANGE_SPAN = 16 * MiB
 MOST_READERS = 16
+# Readers side by side under LOADERPLUG_READERS=auto.
+AUTO_READERS = 8
 
 
 @dataclass(frozen=True)
@@ -296,9 +298,12 @@ class SpanReads:
         self._queue = [
             i for i in order if (holders[i][0] if holders[i] else i % exchange.hosts) == exchange.me
         ]
+        # Spans read ahead (the memory budget) by the readers the setting asks for: more
+        # readers side by side would only make each span, and the first round, later.
         self._ahead = max(1, min(MOST_READERS, settings.bytes_in_flight // exchange.span))
-        self._readers = max(1, min(self._ahead, len(self._queue)))
-        self._pool = ThreadPoolExecutor(self._ahead, thread_name_prefix="loaderplug-hosts")
+        readers = settings.readers if isinstance(settings.readers, int) else AUTO_READERS
+        self._readers = max(1, min(self._ahead, readers, len(self._queue)))
+        self._pool = ThreadPoolExecutor(self._readers, thread_name_prefix="loaderplug-hosts")
         self._pending: list[tuple[int, Future[tuple[bytearray, float]]]] = []
         self._policy = RetryPolicy.of(settings)
         self._sent: tuple[int, bytearray] | None = None
