@@ -16,7 +16,8 @@ RANK_FAKE_DEVICE=1 (CUDA devices are the stand-in of loaderplug.testing.fake_dev
 whose memory is the host's: its tensors are recorded by their bytes), RANK_GROUP=none (no group
 passed: the default group is found), RANK_VOLUME (what "{volume}" in a FILE stands for:
 this rank's mount of the mirror), and every LOADERPLUG_* setting. INIT_FILE "env" joins
-by torchrun's variables (RANK, WORLD_SIZE, MASTER_ADDR, ...), RANK and WORLD ignored. Prints {"tensors":
+by torchrun's variables (RANK, WORLD_SIZE, MASTER_ADDR, ...), RANK and WORLD ignored.
+Prints {"tensors":
 {name: [dtype, shape, crc32]}, "reads": {file: bytes read through the source hook},
 "read_paths": the same by path, "hosts": what the hosts did (split, why, bytes read
 from this host's mirror and received), "error": message or null, "seconds": s, "first_tensor_s":
