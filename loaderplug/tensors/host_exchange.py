@@ -46,9 +46,14 @@ from loaderplug.types import Identity, IOPolicy
 from loaderplug.units import MiB
 
 # The span hosts exchange when LOADERPLUG_SPAN_BYTES is unset: big enough that a round's
-# two small collectives cost little next to its bytes, small enough to overlap.
-EXCHANGE_SPAN = 16 * MiB
+# two small collectives cost little next to its bytes, small enough that the first
+# spans land soon (the readers share the mount) and the rounds flow. Measured
+# (benchmarks/multihost_bench.py, 1 GiB, 2 hosts, mirror 64 MiB/s a mount): 16 MiB
+# spans 0.75x / 0.56x the side-by-side hydrate at 1 / 4 Gbit/s, 4 MiB 0.53x / 0.51x.
+EXCHANGE_SPAN = 4 * MiB
 MOST_READERS = 16
+# The round after which the rates are compared: the gathers of rounds 2 and 3 timed.
+DECIDED_AT = 4
 # Readers side by side under LOADERPLUG_READERS=auto.
 AUTO_READERS = 8
 
@@ -75,6 +80,7 @@ class Exchanged:
     disk_bytes: int = 0
     received_bytes: int = 0
     rounds: int = 0
+    exchange_s: float = 0.0  # in the rounds' gathers
     mirror_rate: float | None = None  # bytes/s, this host's mount
     exchange_rate: float | None = None  # bytes/s received from the others
     rates: list[tuple[float | None, float | None]] = field(default_factory=list)  # each host's
@@ -99,6 +105,7 @@ class HostExchange:
         self.hosts, self.me = steps.share.size, steps.share.rank
         self.span = settings.span_bytes or EXCHANGE_SPAN
         self.done = Exchanged()
+        self._measured = [0.0, 0.0]  # bytes received, seconds, in the measured gathers
         self.finished = False  # every span landed on every host, and was published
 
     def run(self) -> Exchanged:
@@ -199,9 +206,9 @@ class HostExchange:
             self.done.rounds += 1
             self._reassign(said, spans, failed, reads)
             self._move(said, spans, reads, sinks)
-            if self.done.rounds == 2 and self.keep_going is not None:
+            if self.done.rounds == DECIDED_AT:
                 self.done.rates = [s[1][2] if s is not None else (None, None) for s in said]
-                if not self.keep_going(self.done):
+                if self.keep_going is not None and not self.keep_going(self.done):
                     reads.keep_landed(sinks)
                     return False
 
@@ -237,9 +244,12 @@ class HostExchange:
             return
         started = time.monotonic()
         gathered = self.steps.gather(reads.payload(longest))
-        if self.done.exchange_rate is None and self.hosts > 1:
-            others = sum(lengths) - lengths[self.me]
-            self.done.exchange_rate = others / max(time.monotonic() - started, 1e-6)
+        took = time.monotonic() - started
+        self.done.exchange_s += took
+        if self.done.rounds > 1:  # the first round's gather pays for starting up
+            self._measured[0] += sum(lengths) - lengths[self.me]
+            self._measured[1] += took
+            self.done.exchange_rate = self._measured[0] / max(self._measured[1], 1e-6)
         for host, (step, length) in enumerate(zip(said, lengths, strict=True)):
             if length == 0:
                 continue
