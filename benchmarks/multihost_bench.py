@@ -175,7 +175,7 @@ def side_by_side_hydrate(storages: list[Any], env: dict[str, str]) -> dict[str, 
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
-        )  # fmt: skip
+        )
         for storage in storages
     ]
     started = time.perf_counter()
@@ -209,7 +209,7 @@ def ranks_run(
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 text=True,
-            )  # fmt: skip
+            )
         )
     return finish(procs, f"{len(storages)} hosts x {ranks}")
 
