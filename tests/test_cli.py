@@ -156,6 +156,17 @@ def test_doctor_shows_each_decision_and_where_settings_came_from(tmp_path: Path)
     assert lines[1].startswith("/dev/shm: tmpfs") and "buffered" in lines[1]
     assert "LOADERPLUG_READERS=4  (environment)" in done.stdout
     assert "LOADERPLUG_BYTES_IN_FLIGHT=512 MiB  (default)" in done.stdout
+    (hosts,) = [line for line in lines if line.startswith("hosts:")]
+    assert "told apart by name" in hosts and "splits the mirror's reads while the exchange" in hosts
+
+
+def test_doctor_says_how_hosts_are_known_and_whether_they_split(tmp_path: Path) -> None:
+    torchrun = {"GROUP_RANK": "1", "GROUP_WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "8"}
+    done = run("doctor", str(tmp_path), env={**torchrun, "LOADERPLUG_HOST_SPLIT": "off"})
+    assert done.returncode == 0, done.stderr
+    (hosts,) = [line for line in done.stdout.splitlines() if line.startswith("hosts:")]
+    assert "torchrun node 1 of 2, 8 rank(s) here" in hosts
+    assert "every host reads the whole model (LOADERPLUG_HOST_SPLIT=off)" in hosts
 
 
 def test_doctor_speaks_the_environments_language(tmp_path: Path) -> None:

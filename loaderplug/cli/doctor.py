@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from loaderplug.plugins.manager import Plugins
 from loaderplug.settings import REGISTRY, from_env
 from loaderplug.storage.mounts import find_mount
+from loaderplug.tensors.host_split import hosts_said
 
 
 def doctor(paths: Sequence[str], environ: dict[str, str] | None = None) -> str:
@@ -29,6 +30,7 @@ def doctor(paths: Sequence[str], environ: dict[str, str] | None = None) -> str:
             f"{path}{missing}: {policy.fs_type}{where}: {mode}: {policy.reason}; "
             f"{policy.inode_note}"
         )
+    lines.append(hosts_said(settings, environ if environ is not None else os.environ))
     lines.append("settings:")
     for var in REGISTRY:
         shown = var.env_form(getattr(settings, var.field))

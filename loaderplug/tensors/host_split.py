@@ -29,7 +29,7 @@ import datetime
 import os
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -64,6 +64,28 @@ class HostsChoice:
                 f"received {done.received_bytes / MiB:.0f} MiB"
             )
         return said
+
+
+def hosts_said(settings: Settings, environ: Mapping[str, str]) -> str:
+    """What ``doctor`` says of ranks on several hosts: how this host is told apart from
+    the others, and whether a one pass would split its reads between them."""
+    if settings.host_id:
+        known = f"this host is {settings.host_id!r} (LOADERPLUG_HOST_ID)"
+    elif "GROUP_RANK" in environ and "LOCAL_WORLD_SIZE" in environ:
+        nodes = environ.get("GROUP_WORLD_SIZE", "?")
+        known = (
+            f"torchrun node {environ['GROUP_RANK']} of {nodes}, "
+            f"{environ['LOCAL_WORLD_SIZE']} rank(s) here"
+        )
+    else:
+        known = "hosts told apart by name, boot, mount namespace and local folder"
+    rule = {
+        "off": "every host reads the whole model (LOADERPLUG_HOST_SPLIT=off)",
+        "on": "a one pass on two or more hosts splits the mirror's reads (forced on)",
+        "auto": "a one pass on two or more hosts splits the mirror's reads while the "
+        "exchange measured in its first rounds beats the mirror; one host: never",
+    }[settings.host_split]
+    return f"hosts: {known}; {rule}"
 
 
 def split_across_hosts(
