@@ -50,6 +50,12 @@ def test_auto_goes_on_splitting_only_while_the_exchange_beats_the_mirror() -> No
     assert keep_going is not None
     assert keep_going(rates((64, 200), (64, 180)))
     assert not keep_going(rates((400, 100), (300, 120)))
+    # Two hosts: the exchange carries half the model, and must beat half the mirror.
+    assert keep_going(rates((100, 60), (100, 60)))
+    assert not keep_going(rates((100, 45), (100, 45)))
+    four = _keep_going(from_env(host_split="auto"), 4)
+    assert four is not None  # four hosts: it carries 3/4
+    assert four(rates((100, 80), (100, 80))) and not four(rates((100, 70), (100, 70)))
     assert keep_going(rates((None, None), (None, None)))  # nothing measured: go on
     assert _keep_going(from_env(host_split="on"), 2) is None  # forced: never asked
 

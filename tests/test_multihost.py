@@ -197,32 +197,40 @@ def slow_hosts(tmp_path: Path, model: list[Path]) -> Any:
 
 @pytest.mark.slow("two ranks on two simulated hosts; one host killed, then a rerun")
 @pytest.mark.crash
-@pytest.mark.parametrize("how", ["killed", "stalled"])
+@pytest.mark.parametrize(
+    ("how", "lost"),
+    [("killed", 1), ("stalled", 1), ("stalled", 0)],
+    ids=["killed", "stalled", "store-host-stalled"],
+)
 def test_a_host_that_dies_or_stalls_fails_the_other_naming_it_and_a_rerun_resumes(
-    tmp_path: Path, model: list[Path], how: str
+    tmp_path: Path, model: list[Path], how: str, lost: int
 ) -> None:
+    """Host 0 serves the group's store: when it stalls, host 1's heartbeats go
+    unanswered, which names it as well."""
     hosts, volumes = slow_hosts(tmp_path, model)
+    kept = 1 - lost
     with hosts, volumes as storages:
         procs = start(hosts, storages, model, 1)
-        wait_for_partial(storages[0])
+        wait_for_partial(storages[kept])
         lost_at = time.monotonic()
         if how == "stalled":
-            hosts.stall(1)  # its process lives on, and says nothing
+            hosts.stall(lost)  # its process lives on, and says nothing
         else:
-            hosts[1].kill()
-        survivor = results(procs[:1])[0]
+            hosts[lost].kill()
+        survivor = results(procs[kept : kept + 1])[0]
         noticed_s = survivor["ended"] - lost_at
-        print(f"host 1 {how}: host 0 failed {noticed_s:.1f} s later: {survivor.get('error')}")
-        assert "host1" in (survivor.get("error") or ""), survivor
+        print(
+            f"host {lost} {how}: the other failed {noticed_s:.1f} s later: {survivor.get('error')}"
+        )
+        assert f"host{lost}" in (survivor.get("error") or ""), survivor
         assert noticed_s < 20  # the heartbeat's 5 s and a step, not the 60 s timeout
         # Nothing partial is published; what landed is kept for the rerun.
-        published = [f.name for f in model if (storages[0].local / f.name).exists()]
+        published = [f.name for f in model if (storages[kept].local / f.name).exists()]
         assert len(published) < len(model)
-        landed_before = [p for p in storages[0].local.iterdir() if p.name.endswith("-landed")]
-        assert landed_before
+        landed_before = [p for p in storages[kept].local.iterdir() if p.name.endswith("-landed")]
         landed = sum(landed_bytes(p) for p in landed_before)
-        hosts[1].kill()
-        hosts.unstall(1)
+        hosts[lost].kill()
+        hosts.unstall(lost)
         for storage in storages:
             storage.volume.reset_stats()
         outs = results(start(hosts, storages, model, 1))

@@ -42,6 +42,31 @@ def test_a_rank_whose_heartbeat_stops_is_silent_and_one_that_beats_never(
     assert zero.beat() == []  # rank 2 is told once
 
 
+class DeadStore:
+    def add(self, key: str, amount: int) -> int:
+        raise RuntimeError("Connection reset by peer")
+
+
+class SilentStore:
+    def add(self, key: str, amount: int) -> int:
+        return 1
+
+
+def test_a_store_that_fails_or_keeps_silent_names_rank_0s_host(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The store is served on rank 0's host: its failure, or a wait on it as long as a
+    silent heartbeat, is that host's end (where rank 0 is watched at all)."""
+    keeper = Peer(0, None, "host0")
+    assert Heartbeats(DeadStore(), 1, [keeper]).beat() == [keeper]
+    assert Heartbeats(DeadStore(), 2, [Peer(1, None)]).beat() == []  # rank 0 not watched
+    beats = Heartbeats(SilentStore(), 1, [keeper])
+    beats.beat()
+    assert beats.unanswered() is None
+    monkeypatch.setattr(peers, "SILENT_S", 0.0)  # as if the next answer never came
+    assert beats.unanswered() == keeper
+
+
 def _in_own_pid_namespace_works() -> str | None:
     if shutil.which("unshare") is None:
         return "no unshare"

@@ -317,7 +317,7 @@ class SpanReads:
         self._pending: list[tuple[int, Future[tuple[bytearray, float]]]] = []
         self._policy = RetryPolicy.of(settings)
         self._sent: tuple[int, bytearray] | None = None
-        self._speeds: list[float] = []  # bytes/s of each mirror read
+        self._timed: list[tuple[float, float, int]] = []  # each mirror read: start, end, bytes
         self._fill()
 
     def add(self, index: int) -> None:
@@ -360,10 +360,10 @@ class SpanReads:
 
         started = time.monotonic()
         retrying(read, self._policy, _give_up(path, span))
-        took = time.monotonic() - started
+        ended = time.monotonic()
         if from_mirror:
-            self._speeds.append(span.length / max(took, 1e-6))
-        return buf, took
+            self._timed.append((started, ended, span.length))
+        return buf, ended - started
 
     def next_header(self, done: Exchanged) -> tuple[str, Any] | None:
         """This host's word for the next round: the span it read next, one it could not
@@ -386,10 +386,12 @@ class SpanReads:
         return ("span", (index, span.length, self._rates(done)))
 
     def _rates(self, done: Exchanged) -> tuple[float | None, float | None]:
-        """The mount's rate (its readers read side by side: the rate of one read times
-        the readers), and the exchange's, as measured so far."""
-        if self._speeds:
-            done.mirror_rate = sum(self._speeds) / len(self._speeds) * self._readers
+        """The mount's rate (the bytes its readers, side by side, read from the first
+        read's start to the last one's end), and the exchange's, as measured so far."""
+        timed = list(self._timed)
+        if timed:
+            seconds = max(end for _, end, _ in timed) - min(start for start, _, _ in timed)
+            done.mirror_rate = sum(n for _, _, n in timed) / max(seconds, 1e-6)
         return done.mirror_rate, done.exchange_rate
 
     def payload(self, longest: int) -> Any:

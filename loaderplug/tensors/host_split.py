@@ -171,7 +171,7 @@ def _lead(
         lock.release()
         tear_down(steps, [steps.share.group])
     split = exchange.finished
-    return HostsChoice(len(layout), split, _why(settings, done, split), done)
+    return HostsChoice(len(layout), split, _why(settings, done, split, len(layout)), done)
 
 
 def _leaders(world: World, layout: list[list[int]], settings: Settings) -> Steps:
@@ -200,15 +200,19 @@ def _leaders(world: World, layout: list[list[int]], settings: Settings) -> Steps
 
 
 def _keep_going(settings: Settings, hosts: int) -> Callable[[Exchanged], bool] | None:
-    """Under ``auto``, whether to go on splitting once the rates are measured: while
-    the exchange (bytes a host receives per second) beats the mirror (bytes a host
-    reads per second), both as the hosts' mean."""
+    """Under ``auto``, whether to go on splitting once the rates are measured. Split, a
+    host reads 1/H of the model from its mirror and receives (H-1)/H over the exchange,
+    side by side; alone, it reads all of it: splitting pays while the exchange, carrying
+    its (H-1)/H, beats the mirror carrying all (rates as the hosts' mean: bytes a host
+    receives, or reads, per second)."""
     if settings.host_split == "on":
         return None
 
     def keep_going(done: Exchanged) -> bool:
         mirror, exchange = _mean_rates(done)
-        return mirror is None or exchange is None or exchange > mirror
+        if mirror is None or exchange is None:
+            return True
+        return exchange * hosts / (hosts - 1) > mirror
 
     return keep_going
 
@@ -222,12 +226,15 @@ def _mean_rates(done: Exchanged) -> tuple[float | None, float | None]:
     )
 
 
-def _why(settings: Settings, done: Exchanged, split: bool) -> str:
+def _why(settings: Settings, done: Exchanged, split: bool, hosts: int) -> str:
     mirror, exchange = _mean_rates(done)
     if mirror is None or exchange is None:
         measured = "too little to measure"
     else:
-        measured = f"exchange {exchange / MiB:.0f} MiB/s, mirror {mirror / MiB:.0f} MiB/s per host"
+        measured = (
+            f"exchange {exchange / MiB:.0f} MiB/s for {hosts - 1}/{hosts} of the model, "
+            f"mirror {mirror / MiB:.0f} MiB/s for all of it, per host"
+        )
     if settings.host_split == "on":
         return f"LOADERPLUG_HOST_SPLIT=on ({measured})"
     if split:

@@ -75,26 +75,32 @@ def pid_namespace() -> str | None:
 
 class Heartbeats:
     """This rank's heartbeat and the others' in ``store`` (under a prefix of the load's
-    own): :meth:`beat` counts this rank's up; :meth:`silent` are the watched peers whose
-    count stood still for :data:`SILENT_S`. A store that fails is given up on (logged):
-    the collectives' own failure and timeout remain."""
+    own): :meth:`beat` counts this rank's up and says which watched peers' counts stood
+    still for :data:`SILENT_S`. The store is served on rank 0's host: a
+    store that fails, or keeps this rank waiting for :data:`SILENT_S`, says that host is
+    gone (its rank is :attr:`keeper`, where watched); where it is not watched, the
+    collectives' own failure and timeout remain."""
 
     def __init__(self, store: Any, rank: int, peers: Sequence[Peer]) -> None:
         self._store, self._rank = store, rank
         self._last: dict[Peer, tuple[int, float]] = {p: (-1, time.monotonic()) for p in peers}
+        self.keeper = next((peer for peer in peers if peer.rank == 0), None)
+        self._answered = time.monotonic()  # the store's last answer to this rank
 
     def beat(self) -> list[Peer]:
-        """Count up this rank's heartbeat; the watched peers silent for too long."""
+        """Count up this rank's heartbeat; the watched peers silent for too long (the
+        store's keeper, if the store failed)."""
         if self._store is None:
             return []
         now = time.monotonic()
         try:
             self._store.add(str(self._rank), 1)
             counts = {peer: self._store.add(str(peer.rank), 0) for peer in self._last}
-        except Exception:  # a store that failed says nothing of the peers
+        except Exception:  # a store that failed says nothing more of the peers
             log.warning("loaderplug: the ranks' heartbeats stop (the store failed)", exc_info=True)
             self._store = None
-            return []
+            return [self.keeper] if self.keeper is not None else []
+        self._answered = time.monotonic()
         silent = []
         for peer, count in counts.items():
             last_count, since = self._last[peer]
@@ -106,6 +112,13 @@ class Heartbeats:
             del self._last[peer]
         return silent
 
+    def unanswered(self) -> Peer | None:
+        """The store's keeper, once the store kept this rank waiting for :data:`SILENT_S`
+        (its host died, or the network to it stalled: no answer, no error)."""
+        if self._store is None or self.keeper is None:
+            return None
+        return self.keeper if time.monotonic() - self._answered >= SILENT_S else None
+
 
 class PeerWatch:
     """Watches ``peers`` from a thread of its own until :meth:`close`: by their processes,
@@ -115,6 +128,7 @@ class PeerWatch:
     def __init__(self, peers: Sequence[Peer], heartbeats: Heartbeats | None = None) -> None:
         self.dead: Peer | None = None
         self._death = threading.Event()
+        self._closed = threading.Event()
         self._lock = threading.Lock()
         self._listeners: list[Callable[[Peer], None]] = []
         self._by_fd: dict[int, Peer] = {}
@@ -176,6 +190,7 @@ class PeerWatch:
         """Stop watching (the load is over: a peer may now exit as it likes)."""
         with self._lock:
             self._listeners.clear()
+        self._closed.set()  # a beat waiting for the store is left to it (a daemon)
         if self._thread.is_alive():
             os.write(self._wake_w, b"x")
             self._thread.join()
@@ -196,7 +211,8 @@ class PeerWatch:
         if self.dead is not None:
             self._died(self.dead)
         if self._heartbeats is not None:
-            self._heartbeats.beat()  # at once: a peer counts this rank's silence from it
+            # On a thread of its own: a store that stopped answering blocks it, not this.
+            threading.Thread(target=self._beat, name="loaderplug-heartbeat", daemon=True).start()
         while True:
             for fd, _ in poller.poll(timeout_ms):
                 if fd == self._wake_r:
@@ -206,8 +222,19 @@ class PeerWatch:
             for peer, pid in [(p, pid) for p, pid in self._polled if not _alive(pid)]:
                 self._polled.remove((peer, pid))
                 self._died(peer)
-            for peer in self._heartbeats.beat() if self._heartbeats is not None else []:
+            unanswered = self._heartbeats.unanswered() if self._heartbeats is not None else None
+            if unanswered is not None:
+                self._died(unanswered)
+
+    def _beat(self) -> None:
+        """Beat at once (a peer counts this rank's silence from it), then every
+        :data:`BEAT_S` until the watch is closed."""
+        assert self._heartbeats is not None
+        while True:
+            for peer in self._heartbeats.beat():
                 self._died(peer)
+            if self._closed.wait(BEAT_S):
+                return
 
     def _died(self, peer: Peer) -> None:
         with self._lock:
