@@ -31,6 +31,7 @@ BENCHMARKS = (
     "iopolicy",
     "scale",
     "crash",
+    "multihost",
 )
 
 
