@@ -39,6 +39,7 @@ from loaderplug.errors import DistributedError, FileError, LoaderplugError
 from loaderplug.jobs.current_copy import is_current_copy
 from loaderplug.jobs.file_sink import FileSink, file_sink
 from loaderplug.jobs.partial import partial_for, read_landed
+from loaderplug.plugins.manager import Plugins
 from loaderplug.settings import Settings
 from loaderplug.storage.mounts import filesystem_type
 from loaderplug.tensors.rank_steps import Steps
@@ -316,6 +317,8 @@ class SpanReads:
         self._pool = ThreadPoolExecutor(self._readers, thread_name_prefix="loaderplug-hosts")
         self._pending: list[tuple[int, Future[tuple[bytearray, float]]]] = []
         self._policy = RetryPolicy.of(settings)
+        self._plugins = Plugins(settings)
+        self._policies: dict[Path, IOPolicy] = {}
         self._sent: tuple[int, bytearray] | None = None
         self._timed: list[tuple[float, float, int]] = []  # each mirror read: start, end, bytes
         self._fill()
@@ -346,17 +349,18 @@ class SpanReads:
         buf = bytearray(span.length)
 
         def read() -> None:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            # Through the source hook, as every read of a job: a plugin's source too.
+            source = self._plugins.open_source(str(path), self._policy_of(path))
             try:
                 view, done = memoryview(buf), 0
                 while done < span.length:
-                    got = os.preadv(fd, [view[done:]], span.offset + done)
+                    got = source.pread_into(view[done:], span.offset + done)
                     if got == 0:
                         shrank = f"{path} ends before byte {span.offset + done}: it shrank"
                         raise FileError(shrank, path=str(path))
                     done += got
             finally:
-                os.close(fd)
+                source.close()
 
         started = time.monotonic()
         retrying(read, self._policy, _give_up(path, span))
@@ -364,6 +368,16 @@ class SpanReads:
         if from_mirror:
             self._timed.append((started, ended, span.length))
         return buf, ended - started
+
+    def _policy_of(self, path: Path) -> IOPolicy:
+        """How ``path``'s folder is read: buffered, as a network mirror is; spans land in
+        plain memory, which O_DIRECT refuses, and no probe of the mount is wanted (it
+        would read the mirror again)."""
+        folder = path.parent
+        if folder not in self._policies:
+            fs_type = filesystem_type(folder)
+            self._policies[folder] = IOPolicy.buffered(fs_type, "read for the hosts' exchange")
+        return self._policies[folder]
 
     def next_header(self, done: Exchanged) -> tuple[str, Any] | None:
         """This host's word for the next round: the span it read next, one it could not
