@@ -265,15 +265,17 @@ def test_the_initialised_default_group_is_found_and_a_group_of_one_is_no_group(
 def test_two_hosts_each_read_the_model_once_and_keep_their_own_copy(
     tmp_path: Path, model8: list[Path], sharing: str
 ) -> None:
-    """Two groups of two ranks, told apart by LOADERPLUG_HOST_ID, in one world of four:
-    each host reads every byte of the mirror once, between its two ranks, and publishes
-    its own local copy (a one pass); the other host's copy is never read."""
+    """Two groups of two ranks, told apart by LOADERPLUG_HOST_ID, in one world of four,
+    the hosts' split off (tests/test_multihost.py has it on): each host reads every byte
+    of the mirror once, between its two ranks, and publishes its own local copy (a one
+    pass); the other host's copy is never read."""
     hosts = {rank: "host-a" if rank < 2 else "host-b" for rank in range(4)}
     per_rank = {
         rank: {"LOADERPLUG_HOST_ID": host, "RANK_LOCAL_DIR": str(tmp_path / host)}
         for rank, host in hosts.items()
     }
-    outs, _ = run_ranks(tmp_path, model8, 4, {"LOADERPLUG_RANK_SHARING": sharing}, per_rank)
+    settings = {"LOADERPLUG_RANK_SHARING": sharing, "LOADERPLUG_HOST_SPLIT": "off"}
+    outs, _ = run_ranks(tmp_path, model8, 4, settings, per_rank)
     want = expected(model8)
     model_bytes = sum(f.stat().st_size for f in model8)
     for host in ("host-a", "host-b"):
