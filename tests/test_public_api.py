@@ -29,6 +29,7 @@ def test_choice_settings_accept_exactly_their_literal_types() -> None:
         "weights_device": loaderplug.WeightsDevice,
         "distributed": loaderplug.Distributed,
         "rank_sharing": loaderplug.RankSharing,
+        "host_split": loaderplug.HostSplit,
     }
     for field, literal in literals.items():
         assert BY_FIELD[field].choices == get_args(literal), field
