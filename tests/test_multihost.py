@@ -24,7 +24,7 @@ from loaderplug.testing.hosts import (
 )
 from loaderplug.testing.volume import VolumeProfile, fuse_unavailable_reason
 from loaderplug.units import MiB
-from tests.helpers.ranks import HELPER, REPO, expected
+from tests.helpers.ranks import HELPER, RANK_ENV, REPO, expected
 
 UNAVAILABLE = hosts_unavailable_reason() or fuse_unavailable_reason()
 pytestmark = [
@@ -70,14 +70,7 @@ def start(
     """A rank of ``rank_load.py`` per torchrun slot, reading its host's mount of the
     mirror and one-passing into its host's local folder."""
     base = {
-        "PATH": "/usr/bin:/bin",
-        "PYTHONPATH": str(REPO),
-        "LOADERPLUG_PROGRESS": "0",
-        "LOADERPLUG_SPAN_BYTES": "256K",
-        "LOADERPLUG_SPLIT_THRESHOLD_BYTES": "512K",
-        "LOADERPLUG_READERS": "4",
-        "LOADERPLUG_FSYNC": "0",
-        "LOADERPLUG_IO_PROBE": "0",
+        **RANK_ENV,
         "LOADERPLUG_HOST_SPLIT": "on",
         **(env or {}),
     }

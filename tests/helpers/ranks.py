@@ -16,6 +16,19 @@ HELPER = Path(__file__).parent / "rank_load.py"
 REPO = Path(__file__).resolve().parents[2]
 
 
+# What every rank of a test runs with: small spans, so small models have many.
+RANK_ENV = {
+    "PATH": "/usr/bin:/bin",
+    "PYTHONPATH": str(REPO),
+    "LOADERPLUG_PROGRESS": "0",
+    "LOADERPLUG_SPAN_BYTES": "256K",
+    "LOADERPLUG_SPLIT_THRESHOLD_BYTES": "512K",
+    "LOADERPLUG_READERS": "4",
+    "LOADERPLUG_FSYNC": "0",
+    "LOADERPLUG_IO_PROBE": "0",  # as in every test (see conftest)
+}
+
+
 def expected(files: list[Path]) -> dict[str, list[Any]]:
     import torch
     from safetensors.torch import load_file
@@ -38,14 +51,7 @@ def run_ranks(
 ) -> tuple[list[dict[str, Any]], float]:
     init = tmp_path / f"init-{time.monotonic_ns()}"
     base = {
-        "PATH": "/usr/bin:/bin",
-        "PYTHONPATH": str(REPO),
-        "LOADERPLUG_PROGRESS": "0",
-        "LOADERPLUG_SPAN_BYTES": "256K",
-        "LOADERPLUG_SPLIT_THRESHOLD_BYTES": "512K",
-        "LOADERPLUG_READERS": "4",
-        "LOADERPLUG_FSYNC": "0",
-        "LOADERPLUG_IO_PROBE": "0",  # as in every test (see conftest)
+        **RANK_ENV,
         # The test's files stand for loaderplug's own local copies, which ranks may map
         # (a user's folder is broadcast: tests/test_ranks_faults.py).
         "LOADERPLUG_LOCAL_COPIES": str(tmp_path),
