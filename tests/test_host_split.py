@@ -4,6 +4,8 @@ simulated hosts of tests/test_multihost.py run the same on a LAN of namespaces).
 
 from __future__ import annotations
 
+import os
+import threading
 from pathlib import Path
 
 import pytest
@@ -112,23 +114,54 @@ def test_two_hosts_each_read_half_and_publish_whole_copies(
 
 
 @pytest.mark.distributed
-def test_hosts_that_see_different_files_fail_together_and_publish_nothing(
+def test_hosts_whose_mirrors_differ_do_not_split_and_each_loads_its_own(
     tmp_path: Path, model: list[Path]
 ) -> None:
+    """Another revision on one host's mirror (same size, another mtime): the hosts do
+    not exchange, each loads its own mirror's files, as it would alone."""
     import shutil
+
+    import torch
+    from safetensors.torch import save_file
 
     other = tmp_path / "other-mirror"
     shutil.copytree(model[0].parent, other)
-    with open(other / model[1].name, "ab") as f:
-        f.write(b"\0" * 4096)  # another revision, as far as the sizes tell
+    changed = {f"w1.{j}": torch.randn(256, 512 + 64 * j) for j in range(3)}
+    save_file(changed, str(other / model[1].name))  # same shapes, same size
+    os.utime(other / model[1].name, ns=(1, 1))
     per_rank = two_hosts(tmp_path)
-    per_rank[1]["RANK_VOLUME"] = str(other)
+    per_rank[0]["RANK_VOLUME"], per_rank[1]["RANK_VOLUME"] = str(model[0].parent), str(other)
     files = [Path("{volume}") / f.name for f in model]
-    per_rank[0]["RANK_VOLUME"] = str(model[0].parent)
     outs, _ = run_ranks(tmp_path, files, 2, {"LOADERPLUG_HOST_SPLIT": "on"}, per_rank)
+    for rank, out in enumerate(outs):
+        assert out.get("error") is None, out
+        assert not out["hosts"]["split"] and "differs between the hosts" in out["hosts"]["why"]
+        mirror = Path(per_rank[rank]["RANK_VOLUME"])
+        assert out["tensors"] == expected([mirror / f.name for f in model])
+    assert outs[0]["tensors"] != outs[1]["tensors"]
+
+
+@pytest.mark.distributed
+def test_a_local_folder_held_by_another_job_is_not_split_and_waited_for(
+    tmp_path: Path, model: list[Path]
+) -> None:
+    """One host's folder is locked a moment by another job: the hosts do not wait in
+    a collective for it; each loads alone, that host once the lock is let go."""
+    from loaderplug.jobs.locks import Lock, folder_lock
+
+    per_rank = two_hosts(tmp_path)
+    held = Lock(folder_lock(Path(per_rank[1]["RANK_LOCAL_DIR"])), 5)
+    held.acquire()
+    releaser = threading.Timer(8.0, held.release)
+    releaser.start()
+    try:
+        outs, _ = run_ranks(tmp_path, model, 2, {"LOADERPLUG_HOST_SPLIT": "on"}, per_rank)
+    finally:
+        releaser.join()
     for out in outs:
-        assert "not the same file on every host" in (out.get("error") or ""), out
-    assert not any((tmp_path / f"local{r}" / f.name).exists() for r in range(2) for f in model)
+        assert out.get("error") is None, out
+        assert out["tensors"] == expected(model)
+        assert not out["hosts"]["split"] and "locked by another job" in out["hosts"]["why"]
 
 
 @pytest.mark.distributed

@@ -85,6 +85,7 @@ class Exchanged:
     mirror_rate: float | None = None  # bytes/s, this host's mount
     exchange_rate: float | None = None  # bytes/s received from the others
     rates: list[tuple[float | None, float | None]] = field(default_factory=list)  # each host's
+    not_split: str | None = None  # why the hosts did not split at all
 
 
 class HostExchange:
@@ -104,14 +105,18 @@ class HostExchange:
         self.files, self.local, self.steps, self.settings = files, local, steps, settings
         self.tick, self.keep_going = tick, keep_going
         self.hosts, self.me = steps.share.size, steps.share.rank
-        self.span = settings.span_bytes or EXCHANGE_SPAN
+        self.span = settings.span_bytes or EXCHANGE_SPAN  # agreed by the hosts' caller
         self.done = Exchanged()
         self._measured = [0.0, 0.0]  # bytes received, seconds, in the measured gathers
         self.finished = False  # every span landed on every host, and was published
 
-    def run(self) -> Exchanged:
+    def run(self, *, locked: bool = True) -> Exchanged:
+        """The exchange; ``locked``: this host holds its local folder's lock (if any
+        host does not, none splits)."""
         mine = self._aligned(self._look)
-        states = self._states(mine)
+        states = self._states(mine, locked)
+        if states is None:
+            return self.done
         spans = self._spans(states)
         sinks = self._aligned(lambda: self._sinks(mine, states[self.me]))
         try:
@@ -152,17 +157,27 @@ class HostExchange:
             looked.append(HostFile(identity.size, identity.mtime_ns, current, ranges))
         return looked
 
-    def _states(self, mine: list[HostFile]) -> list[list[HostFile]]:
-        """Every host's files; hosts whose mirrors differ fail the load everywhere."""
-        said = self.steps.exchange(("files", mine))
-        states: list[list[HostFile]] = [s[1] for s in said if s is not None]
+    def _states(self, mine: list[HostFile], locked: bool) -> list[list[HostFile]] | None:
+        """Every host's files; None (not split, :attr:`Exchanged.not_split` says why)
+        where a host's local folder is locked by another job, or the hosts' mirrors do
+        not hold the same files (size and modification time): each host then loads its
+        own, as it would alone."""
+        said = self.steps.exchange(("files", (mine, locked)))
+        states: list[list[HostFile]] = [s[1][0] for s in said if s is not None]
+        unlocked = [h for h, s in enumerate(said) if s is not None and not s[1][1]]
+        if unlocked:
+            self.done.not_split = (
+                f"the local folder of host #{unlocked[0]} is locked by another job (or "
+                f"shared with another host)"
+            )
+            return None
         for index, path in enumerate(self.files):
-            sizes = [host[index].size for host in states]
-            if len(set(sizes)) > 1:
-                raise LoaderplugError(
-                    f"{path.name} is not the same file on every host: sizes {sizes} by host; "
-                    f"are the hosts' mirrors of one model at one revision?"
+            seen = {(host[index].size, host[index].mtime_ns) for host in states}
+            if len(seen) > 1:
+                self.done.not_split = (
+                    f"{path.name} differs between the hosts' mirrors (size, mtime: {sorted(seen)})"
                 )
+                return None
         return states
 
     def _spans(self, states: list[list[HostFile]]) -> list[Span]:
@@ -186,7 +201,12 @@ class HostExchange:
             sink = file_sink(
                 self.local / path.name, identity, target, fsync=self.settings.fsync, resume=resume
             )
-            sink.prepare()
+            try:
+                sink.prepare()
+            except BaseException:
+                for made in sinks.values():
+                    made.leave()
+                raise
             sinks[index] = sink
         return sinks
 
@@ -200,7 +220,10 @@ class HostExchange:
         """Rounds until no host has a span left; False if ``keep_going`` said stop."""
         failed: dict[int, set[int]] = {}
         while True:
-            self.tick()
+            try:
+                self.tick()
+            except DistributedError as exc:  # a rank of this host died: the hosts hear it
+                self.steps.fail(exc)
             said = self.steps.exchange(self._aligned(lambda: reads.next_header(self.done)))
             if all(s is None for s in said):
                 return True
@@ -267,7 +290,7 @@ class HostExchange:
         self._aligned(lambda: self._unchanged(mine, sinks))
         self.steps.exchange(("verified", None))
         for sink in sinks.values():
-            self._aligned(sink.commit)
+            sink.commit()  # past the last collective: a failure is this host's alone
 
     def _unchanged(self, mine: list[HostFile], sinks: dict[int, FileSink]) -> None:
         for index, sink in sinks.items():
@@ -412,10 +435,10 @@ class SpanReads:
         """What this host puts into the round's gather: its span, padded to ``longest``."""
         import torch
 
-        if self._sent is not None and len(self._sent[1]) == longest:
+        if self._sent is not None and len(self._sent[1]) == longest > 0:
             return torch.frombuffer(self._sent[1], dtype=torch.uint8)
         padded = torch.zeros(longest, dtype=torch.uint8)
-        if self._sent is not None:
+        if self._sent is not None and len(self._sent[1]):
             padded[: len(self._sent[1])] = torch.frombuffer(self._sent[1], dtype=torch.uint8)
         return padded
 
@@ -431,7 +454,7 @@ class SpanReads:
                 buf, _ = future.result()
             except OSError:
                 continue
-            if sink is not None and not sink_has(sink, span):
+            if sink is not None and len(buf) and not sink_has(sink, span):
                 _write(sink, torch.frombuffer(buf, dtype=torch.uint8), span.offset)
         self._pending.clear()
 

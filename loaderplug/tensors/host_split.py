@@ -25,6 +25,7 @@ then fails, naming it.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import statistics
@@ -33,10 +34,12 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from loaderplug.errors import LockError
 from loaderplug.jobs.locks import Lock, folder_lock
 from loaderplug.settings import Settings
-from loaderplug.tensors.host_exchange import Exchanged, HostExchange
+from loaderplug.tensors.host_exchange import EXCHANGE_SPAN, Exchanged, HostExchange
 from loaderplug.tensors.peers import Peer
+from loaderplug.tensors.rank_collectives import abandon
 from loaderplug.tensors.rank_share import Share, World, heartbeat_store, watch
 from loaderplug.tensors.rank_steps import Steps, tear_down
 from loaderplug.units import MiB
@@ -103,27 +106,49 @@ def split_across_hosts(
     layout = world.hosts()
     if len(layout) < 2:
         return None
+    # Rank 0's settings on every host: hosts that split differently would part ways.
+    mode, span, threshold = world.ranks[0].split
+    settings = settings.replace(host_split=mode, split_threshold_bytes=threshold)
+    settings = settings.replace(span_bytes=span or EXCHANGE_SPAN)
     if settings.host_split == "off":
         return HostsChoice(len(layout), False, "LOADERPLUG_HOST_SPLIT=off")
     here = next(host for host in layout if world.me in host)
     host_steps = Steps(share, watch(share)) if share is not None else None
     try:
-        if here[0] != world.me:
-            assert host_steps is not None  # a host of more than one rank has a share
-            return _wait_for_leader(host_steps)
-        files, local = [Path(p) for p in paths], Path(local_dir)
-        try:
-            choice = _lead(files, local, world, layout, settings, _ticker(host_steps))
-        except Exception as exc:
-            if host_steps is None:
-                raise
-            host_steps.fail(exc)  # the host's other ranks raise it too, naming this one
-        if host_steps is not None:
-            host_steps.exchange(("hosts", choice))
-        return choice
+        return _split_or_wait(paths, local_dir, world, layout, here, host_steps, settings)
+    except BaseException:
+        if host_steps is not None and host_steps.pending is not None:
+            abandon(host_steps.share.group, host_steps.pending)  # a peer died during it
+        raise
     finally:
         if host_steps is not None:
             host_steps.watch.close()
+
+
+def _split_or_wait(
+    paths: Sequence[str | os.PathLike[str]],
+    local_dir: str | os.PathLike[str],
+    world: World,
+    layout: list[list[int]],
+    here: list[int],
+    host_steps: Steps | None,
+    settings: Settings,
+) -> HostsChoice:
+    """The leading rank's part of the split, told to the host's other ranks; the others
+    wait for it."""
+    if here[0] != world.me:
+        assert host_steps is not None  # a host of more than one rank has a share
+        return _wait_for_leader(host_steps)
+    files, local = [Path(p) for p in paths], Path(local_dir)
+    try:
+        choice = _lead(files, local, world, layout, settings, _ticker(host_steps))
+    except Exception as exc:
+        if host_steps is None:
+            raise
+        host_steps.fail(exc)  # the host's other ranks raise it too, naming this one
+    if host_steps is not None:
+        host_steps.exchange(("hosts", choice))
+    return choice
 
 
 def _wait_for_leader(steps: Steps) -> HostsChoice:
@@ -157,16 +182,16 @@ def _lead(
 ) -> HostsChoice:
     """This host's part of the exchange, among the hosts' leading ranks."""
     steps = _leaders(world, layout, settings)
-    lock = Lock(folder_lock(local), settings.lock_timeout_s)
+    # Tried, not waited for: a host waiting here would keep the others waiting in a
+    # collective. A folder another job holds (or that two hosts share) is not split.
+    lock = Lock(folder_lock(local), 0)
     try:
         exchange = HostExchange(
             files, local, steps, settings, tick, _keep_going(settings, len(layout))
         )
-        try:
+        with contextlib.suppress(LockError):
             lock.acquire()
-        except Exception as exc:
-            steps.fail(exc)
-        done = exchange.run()
+        done = exchange.run(locked=lock.held)
     finally:
         lock.release()
         tear_down(steps, [steps.share.group])
@@ -227,6 +252,8 @@ def _mean_rates(done: Exchanged) -> tuple[float | None, float | None]:
 
 
 def _why(settings: Settings, done: Exchanged, split: bool, hosts: int) -> str:
+    if done.not_split is not None:
+        return f"{done.not_split}: each host read its own mirror"
     mirror, exchange = _mean_rates(done)
     if mirror is None or exchange is None:
         measured = "too little to measure"

@@ -129,11 +129,15 @@ class RankProcess:
     pid: int
     pid_namespace: str | None
     hostname: str = ""  # the host's name, for messages
+    # The settings the hosts' split must agree on (rank 0's are used): LOADERPLUG_HOST_SPLIT,
+    # LOADERPLUG_SPAN_BYTES (0: unset) and LOADERPLUG_SPLIT_THRESHOLD_BYTES.
+    split: tuple[str, int, int] = ("auto", 0, 0)
 
     @staticmethod
     def here(settings: Settings, local_dir: str | os.PathLike[str] | None = None) -> RankProcess:
         host = settings.host_id or torchrun_host(local_dir) or host_id(local_dir)
-        return RankProcess(host, os.getpid(), pid_namespace(), socket.gethostname())
+        split = (settings.host_split, settings.span_bytes or 0, settings.split_threshold_bytes)
+        return RankProcess(host, os.getpid(), pid_namespace(), socket.gethostname(), split)
 
 
 def torchrun_host(local_dir: str | os.PathLike[str] | None = None) -> str | None:
