@@ -2,20 +2,25 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
+import shutil
 import subprocess
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from loaderplug import MirrorError, hydrate, sync
+from loaderplug.engine.retry import RetryPolicy
 from loaderplug.jobs.sync_mark import MARK_NAME, SyncMark, read_mark, wait_for_sync
 from loaderplug.testing import slowed
 from loaderplug.testing.model import write_model
+from loaderplug.testing.volume import Fault, TestVolume, VolumeProfile, mounted
 from loaderplug.units import MiB
 from tests.conftest import FAST, leftover_temps, tree_bytes
 
@@ -172,3 +177,97 @@ def test_an_abandoned_mark_is_written_whole(tmp_path: Path) -> None:
     mark = read_mark(mirror / MARK_NAME)
     assert mark is not None and mark.abandoned
     assert sorted(p.name for p in mirror.iterdir()) == [MARK_NAME]
+
+
+# Reads of the mark (the volume's faults fire on read requests of paths they match).
+MARK_READS = f"*{MARK_NAME}"
+TRANSIENT = [errno.ESTALE, errno.EIO, errno.ENOMEM]
+
+
+@contextlib.contextmanager
+def faulty_mirror(tmp_path: Path, error: int, times: int | None) -> Iterator[TestVolume]:
+    """A volume whose first ``times`` reads of a sync mark (None: all) fail with ``error``."""
+    (tmp_path / "backing").mkdir()
+    profile = VolumeProfile(faults=(Fault(error, path_glob=MARK_READS, limit=times),))
+    with mounted(tmp_path / "backing", tmp_path / "mnt", profile) as vol:
+        yield vol
+
+
+@pytest.mark.fuse
+@pytest.mark.parametrize("error", TRANSIENT, ids=errno.errorcode.get)
+def test_a_sync_removes_its_own_mark_after_a_transient_error_reading_it(
+    model: Path, tmp_path: Path, error: int
+) -> None:
+    with faulty_mirror(tmp_path, error, times=1) as vol:
+        mirror = vol.mountpoint / "synced"
+        sync(model, mirror, **FAST)
+        assert vol.stats()["faults_injected"] == 1
+        assert not (mirror / MARK_NAME).exists()
+        # The next hydrate finds no sync under way: it neither waits nor refuses.
+        hydrate(mirror, tmp_path / "local", **FAST, sync_wait_s=0)
+    assert tree_bytes(tmp_path / "local") == tree_bytes(model)
+
+
+@pytest.mark.fuse
+def test_a_finished_sync_whose_mark_stays_unreadable_says_it_left_it(tmp_path: Path) -> None:
+    """A mark that cannot be read may be another syncer's: it is left in place, and the
+    user is told what to do about it."""
+    with faulty_mirror(tmp_path, errno.EIO, times=None) as vol:
+        mirror = vol.mountpoint / "synced"
+        retry = RetryPolicy(attempts=3, base_ms=1, max_ms=2)
+        with (
+            pytest.raises(MirrorError, match="the sync finished, but its mark") as raised,
+            SyncMark(mirror, wait_s=5, stale_s=60, retry=retry),
+        ):
+            pass
+        assert "after 3 attempts" in str(raised.value)
+        assert "delete the mark" in str(raised.value)
+        assert (mirror / MARK_NAME).exists()
+
+
+@pytest.mark.fuse
+@pytest.mark.slow("waits for a mark to be refreshed past its staleness limit")
+def test_a_syncs_mark_is_refreshed_through_transient_errors(tmp_path: Path) -> None:
+    with faulty_mirror(tmp_path, errno.EIO, times=3) as vol:
+        mirror = vol.mountpoint / "synced"
+        with SyncMark(mirror, wait_s=5, stale_s=2):
+            wait_until(lambda: vol.stats()["faults_injected"] == 3)
+            after_errors = (mirror / MARK_NAME).stat().st_mtime_ns
+            # Still refreshed a whole staleness limit after the errors: alive, not dead.
+            past_stale = after_errors + 2 * 10**9
+            wait_until(lambda: (mirror / MARK_NAME).stat().st_mtime_ns > past_stale)
+            with pytest.raises(MirrorError, match="still writing this mirror"):
+                wait_for_sync(mirror, wait_s=0, stale_s=2)
+        assert not (mirror / MARK_NAME).exists()
+
+
+@pytest.mark.fuse
+@pytest.mark.parametrize("error", TRANSIENT, ids=errno.errorcode.get)
+def test_a_live_mark_read_through_transient_errors_is_waited_for(
+    tmp_path: Path, error: int
+) -> None:
+    with faulty_mirror(tmp_path, error, times=2) as vol:
+        mirror = vol.mountpoint / "synced"
+        (tmp_path / "backing" / "synced").mkdir()
+        (tmp_path / "backing" / "synced" / MARK_NAME).write_text(
+            '{"host": "worker-7", "pid": 42, "started": "now", "token": "t"}'
+        )
+        with pytest.raises(MirrorError, match=r"worker-7 pid 42.*still writing this mirror"):
+            wait_for_sync(mirror, wait_s=0, stale_s=60)
+        assert vol.stats()["faults_injected"] == 2
+
+
+@pytest.mark.fuse
+@pytest.mark.parametrize("error", TRANSIENT, ids=errno.errorcode.get)
+def test_a_failed_syncs_mark_read_through_transient_errors_is_refused(
+    model: Path, tmp_path: Path, error: int
+) -> None:
+    with faulty_mirror(tmp_path, error, times=2) as vol:
+        mirror = vol.mountpoint / "synced"
+        shutil.copytree(model, tmp_path / "backing" / "synced")
+        (tmp_path / "backing" / "synced" / MARK_NAME).write_text(
+            '{"host": "worker-7", "pid": 42, "started": "then", "abandoned": true}'
+        )
+        with pytest.raises(MirrorError, match=r"worker-7 pid 42.*failed while writing"):
+            hydrate(mirror, tmp_path / "local", **FAST)
+        assert vol.stats()["faults_injected"] == 2

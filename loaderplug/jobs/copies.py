@@ -16,6 +16,7 @@ import stat
 from pathlib import Path
 from typing import Any
 
+from loaderplug.engine.retry import RetryPolicy
 from loaderplug.errors import MirrorError, TransferFailed
 from loaderplug.jobs import manifest as manifest_mod
 from loaderplug.jobs.file_sink import temps_of
@@ -82,10 +83,11 @@ def tree_plan(job: str, src: Path, dst: Path, settings: Settings, *, use_manifes
     :mod:`loaderplug.jobs.sync_mark`)."""
     _check_apart(job, src, dst)
     wait_s, stale_s = settings.sync_wait_s, settings.sync_stale_s
+    retry = RetryPolicy.of(settings)
 
     def list_files() -> Listing:
         if use_manifest:
-            wait_for_sync(src, wait_s, stale_s)
+            wait_for_sync(src, wait_s, stale_s, retry=retry)
         return _list_tree(src, dst, use_manifest)
 
     def finish(listing: Listing, report: TransferReport) -> None:
@@ -99,7 +101,7 @@ def tree_plan(job: str, src: Path, dst: Path, settings: Settings, *, use_manifes
         locks=(folder_lock(dst),),
         leftovers=lambda: temp_files(dst),
         finish=None if use_manifest else finish,
-        around=None if use_manifest else (lambda: SyncMark(dst, wait_s, stale_s)),
+        around=None if use_manifest else (lambda: SyncMark(dst, wait_s, stale_s, retry)),
     )
 
 

@@ -10,6 +10,12 @@ nobody refreshed for ``LOADERPLUG_SYNC_STALE_S`` (a syncer that died), or one a 
 left when it failed, refuses the mirror: it would publish an incomplete or mixed model.
 A second sync waits for the first, so the manifest always matches the files it lists;
 it takes over a dead syncer's mark.
+
+The mark is read and refreshed like any file of the mirror: a transient error (a stale
+NFS handle, EIO or ENOMEM under load) is retried, and only a mark proven to be another
+syncer's (another token) or gone is "not mine". Taking one failed read for a lost mark
+would stop the refresh (the mark then goes stale and the mirror is refused) or leave the
+mark of a sync that succeeded.
 """
 
 from __future__ import annotations
@@ -27,10 +33,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 
+from loaderplug.engine.retry import Cancelled, GiveUp, RetryPolicy, retrying
 from loaderplug.errors import MirrorError
 from loaderplug.jobs.model_folder import SYNC_MARK_NAME as MARK_NAME
 
 POLL_S = 0.2
+# A mark is read like any file of the mirror: with the default retry policy.
+READ_RETRY = RetryPolicy()
 
 
 @dataclass(frozen=True)
@@ -46,15 +55,19 @@ class Mark:
         return not self.abandoned and self.age_s < stale_s
 
 
-def read_mark(path: Path) -> Mark | None:
-    """The mark at ``path``, or None where there is none."""
+def read_mark(path: Path, retry: RetryPolicy = READ_RETRY) -> Mark | None:
+    """The mark at ``path``, or None where there is none. A transient error is retried;
+    one that persists, or any other, raises :class:`MirrorError`."""
+
+    def stat_and_read() -> tuple[os.stat_result, bytes]:
+        return os.stat(path), path.read_bytes()
+
     try:
-        st = os.stat(path)
-        text = path.read_text(encoding="utf-8")
+        (st, raw), _ = retrying(stat_and_read, retry, _cannot_read(path))
     except FileNotFoundError:
         return None
     try:
-        data = json.loads(text)
+        data = json.loads(raw.decode("utf-8"))
         owner = f"{data['host']} pid {data['pid']}, since {data['started']}"
         abandoned = bool(data.get("abandoned"))
     except (ValueError, KeyError, TypeError):
@@ -62,13 +75,33 @@ def read_mark(path: Path) -> Mark | None:
     return Mark(owner, max(0.0, time.time() - st.st_mtime), abandoned)
 
 
+def _cannot_read(path: Path) -> GiveUp:
+    """What reading the mark at ``path`` raises when it gives up: FileNotFoundError where
+    the mark is gone (no mark, which callers expect), else a MirrorError."""
+
+    def give_up(exc: OSError, attempts: int | None) -> Exception:
+        if isinstance(exc, FileNotFoundError):
+            return FileNotFoundError(exc.errno, exc.strerror, exc.filename)
+        tried = f"after {attempts} attempts" if attempts else "not a transient error"
+        return MirrorError(
+            f"{path}: could not read this sync mark ({exc.strerror}, errno {exc.errno}, "
+            f"{tried}); check that the volume is mounted and readable, then retry"
+        )
+
+    return give_up
+
+
 def wait_for_sync(
-    mirror: Path, wait_s: float, stale_s: float, sleep: Callable[[float], None] = time.sleep
+    mirror: Path,
+    wait_s: float,
+    stale_s: float,
+    sleep: Callable[[float], None] = time.sleep,
+    retry: RetryPolicy = READ_RETRY,
 ) -> None:
     """Return once no sync is writing ``mirror``; raise if one died or failed there, or
     is still writing after ``wait_s``."""
     started = time.monotonic()
-    while (mark := read_mark(mirror / MARK_NAME)) is not None:
+    while (mark := read_mark(mirror / MARK_NAME, retry)) is not None:
         if mark.abandoned:
             raise MirrorError(
                 f"{mirror}: a sync ({mark.owner}) failed while writing this mirror, which is "
@@ -93,11 +126,14 @@ class SyncMark(contextlib.AbstractContextManager["SyncMark"]):
     entry (after any other live sync), refreshed while held, removed on a clean exit and
     left ``abandoned`` on an exception (the mirror is then not whole)."""
 
-    def __init__(self, mirror: Path, wait_s: float, stale_s: float) -> None:
+    def __init__(
+        self, mirror: Path, wait_s: float, stale_s: float, retry: RetryPolicy = READ_RETRY
+    ) -> None:
         self.mirror = mirror
         self.path = mirror / MARK_NAME
         self.wait_s = wait_s
         self.stale_s = stale_s
+        self.retry = retry
         self.token = secrets.token_hex(8)
         self._stop = threading.Event()
         self._heart: threading.Thread | None = None
@@ -106,7 +142,7 @@ class SyncMark(contextlib.AbstractContextManager["SyncMark"]):
         self.mirror.mkdir(parents=True, exist_ok=True)
         started = time.monotonic()
         while not self._create():
-            mark = read_mark(self.path)
+            mark = read_mark(self.path, self.retry)
             if mark is not None and not mark.live(self.stale_s):
                 self._take_over()
                 continue
@@ -146,7 +182,7 @@ class SyncMark(contextlib.AbstractContextManager["SyncMark"]):
             os.rename(self.path, aside)
         except FileNotFoundError:
             return
-        mark = read_mark(aside)
+        mark = read_mark(aside, self.retry)
         if mark is not None and mark.live(self.stale_s):
             with contextlib.suppress(OSError):
                 os.link(aside, self.path)  # no clobbering: fails if another mark is there
@@ -156,19 +192,42 @@ class SyncMark(contextlib.AbstractContextManager["SyncMark"]):
     def _beat(self) -> None:
         # Refreshed several times within the staleness limit: one slow write is no death.
         # A mark another syncer took over (this one was thought dead) is its own: this
-        # heart stops rather than keep it alive.
+        # heart stops rather than keep it alive. A mark it cannot read or touch even
+        # after retries is not proven lost: the next beat tries again.
         every = max(0.5, min(5.0, self.stale_s / 4))
         while not self._stop.wait(every):
-            if self._own() is None:
+            try:
+                if not self._refresh():
+                    return
+            except Cancelled:
                 return
-            with contextlib.suppress(OSError):
-                os.utime(self.path)
+            except MirrorError:
+                continue
 
-    def _own(self) -> dict[str, object] | None:
-        """The mark's content if it is still this syncer's (its token), else None."""
+    def _refresh(self) -> bool:
+        """Touch the mark if it is still this syncer's; False once it is not."""
+        if self._own(cancel=self._stop) is None:
+            return False
         try:
-            data = json.loads(self.path.read_text(encoding="utf-8"))
-        except (OSError, ValueError):
+            retrying(lambda: os.utime(self.path), self.retry, _cannot_read(self.path))
+        except FileNotFoundError:
+            return False
+        return True
+
+    def _own(self, cancel: threading.Event | None = None) -> dict[str, object] | None:
+        """The mark's content while it is still this syncer's; None once it is proven
+        not to be: gone, or another token (a half-written mark is another syncer's
+        being made: this one's was written whole before it was used). A read that keeps
+        failing raises :class:`MirrorError`: the mark's owner is then unknown."""
+        try:
+            raw, _ = retrying(
+                self.path.read_bytes, self.retry, _cannot_read(self.path), cancel=cancel
+            )
+        except FileNotFoundError:
+            return None
+        try:
+            data = json.loads(raw.decode("utf-8"))
+        except ValueError:
             return None
         return data if isinstance(data, dict) and data.get("token") == self.token else None
 
@@ -181,20 +240,39 @@ class SyncMark(contextlib.AbstractContextManager["SyncMark"]):
         self._stop.set()
         if self._heart is not None:
             self._heart.join()
-        data = self._own()
+        try:
+            data = self._own()
+        except MirrorError as error:
+            if kind is None:
+                raise self._left_behind(error) from error
+            return  # the sync's own error says more; its mark goes stale, then is refused
         if data is None:  # taken over by a syncer that thought this one dead: its mark
             return
         if kind is None:
             with contextlib.suppress(FileNotFoundError):
-                os.unlink(self.path)
+                retrying(lambda: os.unlink(self.path), self.retry, _as_os_error)
             return
         # Left for hydrates to refuse at once, rather than after it goes stale; written
         # whole (a hydrate may read it at any moment).
         try:
-            write_mark(self.path, {**data, "abandoned": True})
+            retrying(
+                lambda: write_mark(self.path, {**data, "abandoned": True}), self.retry, _as_os_error
+            )
         except OSError as error:
             if error.errno not in (errno.ENOENT, errno.EROFS):
                 raise
+
+    def _left_behind(self, error: MirrorError) -> MirrorError:
+        return MirrorError(
+            f"{self.mirror}: the sync finished, but its mark {MARK_NAME} could not be read "
+            f"to remove it ({error}); if no other sync is writing this mirror, delete the "
+            f"mark, or hydrates refuse the mirror once it is {self.stale_s:g} s old"
+        )
+
+
+def _as_os_error(exc: OSError, attempts: int | None) -> OSError:
+    """The error a write of the mark gives up with: the last one, as the caller knows it."""
+    return OSError(exc.errno, exc.strerror, exc.filename)
 
 
 def write_mark(path: Path, data: dict[str, object]) -> None:
