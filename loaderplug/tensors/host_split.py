@@ -26,20 +26,21 @@ then fails, naming it.
 from __future__ import annotations
 
 import contextlib
-import datetime
 import os
 import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from loaderplug.errors import LockError
 from loaderplug.jobs.locks import Lock, folder_lock
 from loaderplug.settings import Settings
 from loaderplug.tensors.host_exchange import EXCHANGE_SPAN, Exchanged, HostExchange
 from loaderplug.tensors.peers import Peer
-from loaderplug.tensors.rank_collectives import abandon
+from loaderplug.tensors.rank_collectives import abandon, collective
+from loaderplug.tensors.rank_groups import agreed_group, groups_held
 from loaderplug.tensors.rank_share import Share, World, heartbeat_store, watch
 from loaderplug.tensors.rank_steps import Steps, tear_down
 from loaderplug.units import MiB
@@ -113,9 +114,10 @@ def split_across_hosts(
     if settings.host_split == "off":
         return HostsChoice(len(layout), False, "LOADERPLUG_HOST_SPLIT=off")
     here = next(host for host in layout if world.me in host)
+    held = _groups_held_by_each(world)
     host_steps = Steps(share, watch(share)) if share is not None else None
     try:
-        return _split_or_wait(paths, local_dir, world, layout, here, host_steps, settings)
+        return _split_or_wait(paths, local_dir, world, held, here, host_steps, settings)
     except BaseException:
         if host_steps is not None and host_steps.pending is not None:
             abandon(host_steps.share.group, host_steps.pending)  # a peer died during it
@@ -125,11 +127,21 @@ def split_across_hosts(
             host_steps.watch.close()
 
 
+def _groups_held_by_each(world: World) -> list[int]:
+    """How many process groups each rank of ``world`` holds now, by rank in its group
+    (the leaders' group is named by them: :mod:`loaderplug.tensors.rank_groups`)."""
+    import torch.distributed as dist
+
+    held: list[Any] = [None] * len(world.ranks)
+    collective(dist.all_gather_object, held, groups_held(), group=world.group)
+    return held
+
+
 def _split_or_wait(
     paths: Sequence[str | os.PathLike[str]],
     local_dir: str | os.PathLike[str],
     world: World,
-    layout: list[list[int]],
+    held: list[int],
     here: list[int],
     host_steps: Steps | None,
     settings: Settings,
@@ -141,7 +153,7 @@ def _split_or_wait(
         return _wait_for_leader(host_steps)
     files, local = [Path(p) for p in paths], Path(local_dir)
     try:
-        choice = _lead(files, local, world, layout, settings, _ticker(host_steps))
+        choice = _lead(files, local, world, held, settings, _ticker(host_steps))
     except Exception as exc:
         if host_steps is None:
             raise
@@ -176,12 +188,14 @@ def _lead(
     files: list[Path],
     local: Path,
     world: World,
-    layout: list[list[int]],
+    held: list[int],
     settings: Settings,
     tick: Callable[[], None],
 ) -> HostsChoice:
-    """This host's part of the exchange, among the hosts' leading ranks."""
-    steps = _leaders(world, layout, settings)
+    """This host's part of the exchange, among the hosts' leading ranks; ``held``: the
+    groups each rank holds."""
+    layout = world.hosts()
+    steps = _leaders(world, held, settings)
     # Tried, not waited for: a host waiting here would keep the others waiting in a
     # collective. A folder another job holds (or that two hosts share) is not split.
     lock = Lock(folder_lock(local), 0)
@@ -199,17 +213,16 @@ def _lead(
     return HostsChoice(len(layout), split, _why(settings, done, split, len(layout)), done)
 
 
-def _leaders(world: World, layout: list[list[int]], settings: Settings) -> Steps:
+def _leaders(world: World, held: list[int], settings: Settings) -> Steps:
     """Steps among the hosts' leading ranks, in a gloo group of their own, each host
     watched by its heartbeat (a pidfd cannot see another host)."""
     import torch.distributed as dist
 
+    layout = world.hosts()
     leaders = tuple(dist.get_global_rank(world.group, host[0]) for host in layout)
     names = [world.ranks[host[0]].hostname or f"#{i}" for i, host in enumerate(layout)]
-    timeout = datetime.timedelta(seconds=settings.distributed_timeout_s)
-    group = dist.new_group(
-        list(leaders), timeout=timeout, backend="gloo", use_local_synchronization=True
-    )
+    timeout_s = settings.distributed_timeout_s
+    group = agreed_group(leaders, [held[host[0]] for host in layout], timeout_s)
     here = leaders.index(dist.get_rank())
     peers = tuple(Peer(r, None, names[i]) for i, r in enumerate(leaders) if i != here)
     share = Share(

@@ -4,14 +4,13 @@ process can share)."""
 
 from __future__ import annotations
 
-import datetime
 from collections.abc import Iterator
 from typing import Any
 
 from loaderplug.jobs.runner import Runner
 from loaderplug.tensors.delivery import TensorsOf
 from loaderplug.tensors.device_path import DevicePath
-from loaderplug.tensors.rank_share import Share
+from loaderplug.tensors.rank_groups import agreed_group, groups_held
 from loaderplug.tensors.rank_steps import SharedPairs, Steps, each_step
 
 
@@ -27,20 +26,17 @@ def by_broadcast(runner: Runner, steps: Steps, device: DevicePath, data_group: A
         events.close()
 
 
-def data_group(share: Share, device: DevicePath) -> Any:
+def data_group(steps: Steps, device: DevicePath) -> Any:
     """The group tensors are broadcast over: the share's own (gloo) for host tensors, a
     group of the same ranks on the device's collective backend for device ones (NCCL
     for CUDA, from the reader's device copy)."""
+    share = steps.share
     if device.collective == "gloo":
         return share.group
-    import torch.distributed as dist
-
-    return dist.new_group(
-        list(share.global_ranks),
-        timeout=datetime.timedelta(seconds=share.timeout_s),
-        backend=device.collective,
-        use_local_synchronization=True,
-    )
+    held = [
+        said[1] if said is not None else 0 for said in steps.exchange(("groups", groups_held()))
+    ]
+    return agreed_group(share.global_ranks, held, share.timeout_s, device.collective)
 
 
 class BroadcastStep(Iterator[tuple[str, Any]]):

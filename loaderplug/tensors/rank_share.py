@@ -5,7 +5,6 @@ rank can watch."""
 from __future__ import annotations
 
 import contextlib
-import datetime
 import os
 import socket
 from dataclasses import dataclass
@@ -15,6 +14,7 @@ from typing import Any
 from loaderplug.settings import Settings
 from loaderplug.tensors.peers import Heartbeats, Peer, PeerWatch, pid_namespace
 from loaderplug.tensors.rank_collectives import collective
+from loaderplug.tensors.rank_groups import agreed_group, groups_held
 
 
 @dataclass(frozen=True)
@@ -85,11 +85,9 @@ def share_for(world: World | None, settings: Settings) -> Share | None:
         for r in here
         if r != world.me
     )
-    timeout = datetime.timedelta(seconds=settings.distributed_timeout_s)
     # Only this host's ranks take part in making their group (every host makes its own).
-    own = dist.new_group(
-        list(members), timeout=timeout, backend="gloo", use_local_synchronization=True
-    )
+    held = [ranks[r].groups for r in here]
+    own = agreed_group(members, held, settings.distributed_timeout_s)
     me = members.index(dist.get_rank())
     beats = heartbeat_store(own) if any(p.pid is None for p in peers) else None
     return Share(own, me, len(members), members, settings.distributed_timeout_s, peers, beats)
@@ -132,12 +130,15 @@ class RankProcess:
     # The settings the hosts' split must agree on (rank 0's are used): LOADERPLUG_HOST_SPLIT,
     # LOADERPLUG_SPAN_BYTES (0: unset) and LOADERPLUG_SPLIT_THRESHOLD_BYTES.
     split: tuple[str, int, int] = ("auto", 0, 0)
+    groups: int = 0  # the process groups it holds (see loaderplug.tensors.rank_groups)
 
     @staticmethod
     def here(settings: Settings, local_dir: str | os.PathLike[str] | None = None) -> RankProcess:
         host = settings.host_id or torchrun_host(local_dir) or host_id(local_dir)
         split = (settings.host_split, settings.span_bytes or 0, settings.split_threshold_bytes)
-        return RankProcess(host, os.getpid(), pid_namespace(), socket.gethostname(), split)
+        return RankProcess(
+            host, os.getpid(), pid_namespace(), socket.gethostname(), split, groups_held()
+        )
 
 
 def torchrun_host(local_dir: str | os.PathLike[str] | None = None) -> str | None:

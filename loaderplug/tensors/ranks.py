@@ -139,7 +139,7 @@ def _shared_pairs(
             settings = settings.replace(direct_io="off")
         runner, delivery = _own_load(mine, device, settings, local, mode, steps)
         if mode == "broadcast":
-            groups.append(data_group(share, device))
+            groups.append(data_group(steps, device))
         pairs = _pairs(mode, runner, delivery, steps, files, local, device, groups[-1])
         handed = FirstHandedOver(pairs)
         yield from handed
