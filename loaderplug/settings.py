@@ -164,6 +164,17 @@ class Settings:
         minimum=4 * KiB,
         maximum=64 * GiB,
     )
+    device_bytes: int | None = _setting(
+        "size",
+        None,
+        "Most device memory a load to an accelerator (CUDA) holds for tensors it has not "
+        "handed over yet, besides the ones its consumer keeps: each tensor gets memory of "
+        "its own, freed when its consumer drops it (a tensor larger than this still "
+        "loads, alone). Such a load reads at most this much at once (a span is cut to "
+        "it). Unset: LOADERPLUG_BYTES_IN_FLIGHT.",
+        minimum=4 * KiB,
+        maximum=1024 * GiB,
+    )
     span_bytes: int | None = _setting(
         "size",
         None,
