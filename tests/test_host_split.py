@@ -174,3 +174,85 @@ def test_off_reads_everything_on_every_host(tmp_path: Path, model: list[Path]) -
             "mirror_bytes": None, "received_bytes": None, "disk_bytes": None,
         }  # fmt: skip
         assert sum(out["reads"].values()) >= sum(f.stat().st_size for f in model)
+
+
+def hosts_of(tmp_path: Path, layout: list[int], **extra: str) -> dict[int, dict[str, str]]:
+    """Per-rank settings putting ``layout[h]`` ranks on host ``h``, in rank order."""
+    per_rank, rank = {}, 0
+    for host, ranks in enumerate(layout):
+        for _ in range(ranks):
+            per_rank[rank] = {
+                "LOADERPLUG_HOST_ID": f"host{host}",
+                "RANK_LOCAL_DIR": str(tmp_path / f"local{host}"),
+            } | extra
+            rank += 1
+    return per_rank
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("layout", [[2, 1], [1, 2]], ids=["2+1", "1+2"])
+def test_hosts_with_unequal_rank_counts_split_and_every_rank_gets_every_tensor(
+    tmp_path: Path, model: list[Path], layout: list[int]
+) -> None:
+    """A host of two ranks and one of one: every group the load makes gets the same
+    name on each of its members, so no leader waits for a group the other never joins."""
+    per_rank = hosts_of(tmp_path, layout)
+    outs, _ = run_ranks(tmp_path, model, sum(layout), {"LOADERPLUG_HOST_SPLIT": "on"}, per_rank)
+    total = sum(f.stat().st_size for f in model)
+    for out in outs:
+        assert out.get("error") is None, out
+        assert out["tensors"] == expected(model)
+        assert out["hosts"]["split"] and out["hosts"]["hosts"] == 2
+    for host in range(len(layout)):
+        for f in model:
+            assert (tmp_path / f"local{host}" / f.name).read_bytes() == f.read_bytes()
+    mirror = sum(sum(b for p, b in out["read_paths"].items() if "mirror" in p) for out in outs)
+    assert total <= mirror <= 1.05 * total
+
+
+@pytest.mark.distributed
+def test_hosts_passing_the_files_in_another_order_split_by_name(
+    tmp_path: Path, model: list[Path]
+) -> None:
+    per_rank = two_hosts(tmp_path)
+    per_rank[1]["RANK_FILES"] = os.pathsep.join(str(f) for f in reversed(model))
+    outs, _ = run_ranks(tmp_path, model, 2, {"LOADERPLUG_HOST_SPLIT": "on"}, per_rank)
+    total = sum(f.stat().st_size for f in model)
+    for rank, out in enumerate(outs):
+        assert out.get("error") is None, out
+        assert out["tensors"] == expected(model)
+        assert out["hosts"]["split"]
+        for f in model:
+            assert (tmp_path / f"local{rank}" / f.name).read_bytes() == f.read_bytes()
+    assert sum(out["hosts"]["mirror_bytes"] for out in outs) == total
+
+
+@pytest.mark.distributed
+def test_ranks_of_one_host_passing_the_files_in_another_order_share_them_by_name(
+    tmp_path: Path, model: list[Path]
+) -> None:
+    per_rank = {1: {"RANK_FILES": os.pathsep.join(str(f) for f in reversed(model))}}
+    outs, _ = run_ranks(tmp_path, model, 2, {}, per_rank)
+    for out in outs:
+        assert out.get("error") is None, out
+        assert out["tensors"] == expected(model)
+    # The ranks agree who reads which file (by position, each would own another).
+    assert outs[0]["owners"] == outs[1]["owners"]
+    assert sorted(outs[0]["owners"]) == sorted(str(f) for f in model)
+    assert set(outs[0]["owners"].values()) == {0, 1}
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("split", ["on", "off"])
+def test_ranks_passing_different_files_fail_on_every_host_with_the_same_cause(
+    tmp_path: Path, model: list[Path], split: str
+) -> None:
+    per_rank = two_hosts(tmp_path) if split == "on" else {}
+    per_rank.setdefault(1, {})["RANK_FILES"] = os.pathsep.join(str(f) for f in model[:2])
+    outs, _ = run_ranks(tmp_path, model, 2, {"LOADERPLUG_HOST_SPLIT": split}, per_rank)
+    errors = [out.get("error") or "" for out in outs]
+    for error in errors:
+        assert model[2].name in error and "rank 1" in error, errors
+    assert errors[0] == errors[1]
+    for rank in range(2):  # nothing published
+        assert not (tmp_path / f"local{rank}" / model[0].name).exists()

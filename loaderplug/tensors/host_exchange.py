@@ -42,7 +42,7 @@ from loaderplug.jobs.partial import partial_for, read_landed
 from loaderplug.plugins.manager import Plugins
 from loaderplug.settings import Settings
 from loaderplug.storage.mounts import filesystem_type
-from loaderplug.tensors.rank_steps import Steps
+from loaderplug.tensors.rank_steps import Steps, by_name, same_files
 from loaderplug.types import Identity, IOPolicy
 from loaderplug.units import MiB
 
@@ -102,7 +102,10 @@ class HostExchange:
         tick: Callable[[], None],
         keep_going: Callable[[Exchanged], bool] | None = None,
     ) -> None:
-        self.files, self.local, self.steps, self.settings = files, local, steps, settings
+        # By name, the same on every host whatever order each was given them in: a span
+        # names its file by its index here.
+        self.files, self.local, self.steps = by_name(files), local, steps
+        self.settings = settings
         self.tick, self.keep_going = tick, keep_going
         self.hosts, self.me = steps.share.size, steps.share.rank
         self.span = settings.span_bytes or EXCHANGE_SPAN  # agreed by the hosts' caller
@@ -113,6 +116,7 @@ class HostExchange:
     def run(self, *, locked: bool = True) -> Exchanged:
         """The exchange; ``locked``: this host holds its local folder's lock (if any
         host does not, none splits)."""
+        same_files(self.steps, self.files, who="the host of rank")
         mine = self._aligned(self._look)
         states = self._states(mine, locked)
         if states is None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import functools
 import logging
 import pickle
-from collections.abc import Callable, Generator, Iterator
+from collections.abc import Callable, Generator, Iterator, Sequence
 from pathlib import Path
 from typing import Any, NoReturn, Protocol
 
@@ -162,6 +162,39 @@ def cannot_map(path: Path, exc: Exception) -> Exception:
         raise LoaderplugError(f"cannot map {path.name}: {exc}") from exc
     except LoaderplugError as error:  # raised, so that it carries where it happened
         return error
+
+
+def by_name(files: Sequence[Path]) -> list[Path]:
+    """``files`` in the order every rank agrees on, whatever order each was given them
+    in: by name (a file's name is also its name in a local copy)."""
+    return sorted(files, key=lambda path: (path.name, str(path)))
+
+
+def same_files(steps: Steps, files: Sequence[Path], who: str = "rank") -> None:
+    """Check that every member of ``steps`` loads files of the same names; if not,
+    raise the same error on every member, naming the first that differs from the
+    first member (``who``: how members are called in the message)."""
+    names = [path.name for path in files]
+    said = steps.exchange(("files", names))
+    for member, step in enumerate(said):
+        theirs = step[1] if step is not None else []
+        first = said[0][1] if said[0] is not None else []
+        if theirs == first:
+            continue
+        lacks, more = sorted(set(first) - set(theirs)), sorted(set(theirs) - set(first))
+        differs = (
+            "; ".join(
+                [f"lacks {', '.join(lacks)}"] * bool(lacks)
+                + [f"also has {', '.join(more)}"] * bool(more)
+            )
+            or "has some twice"
+        )
+        raise LoaderplugError(
+            f"the ranks of a shared load must load the same files, and {who} "
+            f"{steps.share.global_ranks[member]} does not: next to rank "
+            f"{steps.share.global_ranks[0]}'s, its list {differs}; pass every rank the "
+            f"same files"
+        )
 
 
 def agreed(steps: Steps, mode: SharingMode) -> SharingMode:

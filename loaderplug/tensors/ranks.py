@@ -57,7 +57,15 @@ from loaderplug.tensors.rank_broadcast import by_broadcast, data_group
 from loaderplug.tensors.rank_mode import SharingMode, owners, rank_part, sharing_mode
 from loaderplug.tensors.rank_pagecache import by_page_cache
 from loaderplug.tensors.rank_share import Share, World, share_for, watch, world_of
-from loaderplug.tensors.rank_steps import SharedPairs, Steps, agreed, free_groups, tear_down
+from loaderplug.tensors.rank_steps import (
+    SharedPairs,
+    Steps,
+    agreed,
+    by_name,
+    free_groups,
+    same_files,
+    tear_down,
+)
 from loaderplug.tensors.rank_stream import by_stream
 
 __all__ = [
@@ -122,13 +130,14 @@ def _shared_pairs(
     share: Share,
     load: Load,
 ) -> SharedPairs:
-    files = [Path(p) for p in paths]
+    files = by_name([Path(p) for p in paths])  # who owns which file: the same on every rank
     local = Path(local_dir) if local_dir is not None else None
     # LOADERPLUG_BYTES_IN_FLIGHT bounds the host: the ranks sharing its load divide it.
     settings = settings.replace(bytes_in_flight=rank_part(settings.bytes_in_flight, share.size))
     steps = Steps(share, watch(share))
     groups = [share.group]
     try:
+        same_files(steps, files)
         owner = owners(_sizes(files, steps), share.size)
         mine = [f for f, r in zip(files, owner, strict=True) if r == share.rank]
         mode = agreed(steps, sharing_mode(files, device.device, local, settings))
@@ -174,6 +183,7 @@ def _own_load(
         local,
         lock_each_file=True,
         through_page_cache=mode in ("pagecache", "stream"),
+        shared_by_ranks=True,
     )
     delivery = plan.delivery
     assert isinstance(delivery, TensorDelivery)

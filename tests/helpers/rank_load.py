@@ -15,14 +15,16 @@ map the other ranks' files: ENOMEM, as when the address space runs out), RANK_DE
 RANK_FAKE_DEVICE=1 (CUDA devices are the stand-in of loaderplug.testing.fake_device,
 whose memory is the host's: its tensors are recorded by their bytes), RANK_GROUP=none (no group
 passed: the default group is found), RANK_VOLUME (what "{volume}" in a FILE stands for:
-this rank's mount of the mirror), and every LOADERPLUG_* setting. INIT_FILE "env" joins
+this rank's mount of the mirror), RANK_FILES (this rank's files instead of FILE...,
+joined by os.pathsep: ranks passing the same files in another order, or other files),
+and every LOADERPLUG_* setting. INIT_FILE "env" joins
 by torchrun's variables (RANK, WORLD_SIZE, MASTER_ADDR, ...), RANK and WORLD ignored.
 Prints {"tensors":
 {name: [dtype, shape, crc32]}, "reads": {file: bytes read through the source hook},
 "read_paths": the same by path, "hosts": what the hosts did (split, why, bytes read
 from this host's mirror and received), "error": message or null, "seconds": s, "first_tensor_s":
 the load's, "failed_at":
-unix time of the error, "rss_growth": peak resident bytes over those before the load}.
+unix time of the error, "owners": which rank read each file, "rss_growth": peak resident bytes over those before the load}.
 """
 
 from __future__ import annotations
@@ -88,7 +90,8 @@ def die() -> None:
 def main() -> int:
     init, rank, world = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     # "{volume}" in a file's path is this rank's mount of the mirror (RANK_VOLUME).
-    files = [f.replace("{volume}", os.environ.get("RANK_VOLUME", "")) for f in sys.argv[4:]]
+    given = os.environ["RANK_FILES"].split(os.pathsep) if "RANK_FILES" in os.environ else sys.argv[4:]
+    files = [f.replace("{volume}", os.environ.get("RANK_VOLUME", "")) for f in given]
     dist.init_process_group(
         "gloo",
         # "env": torchrun's variables (simulated hosts), rank and world from them.
@@ -141,6 +144,7 @@ def main() -> int:
     out["reads"] = reads
     out["read_paths"] = read_paths
     out["sharing"] = load.sharing
+    out["owners"] = load.owners
     if load.hosts is not None:
         done = load.hosts.exchanged
         out["hosts"] = {
