@@ -190,7 +190,9 @@ def hosts_of(tmp_path: Path, layout: list[int], **extra: str) -> dict[int, dict[
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("layout", [[2, 1], [1, 2]], ids=["2+1", "1+2"])
+@pytest.mark.parametrize(
+    "layout", [[2, 1], [1, 2], [3, 1], [2, 2, 1]], ids=["2+1", "1+2", "3+1", "2+2+1"]
+)
 def test_hosts_with_unequal_rank_counts_split_and_every_rank_gets_every_tensor(
     tmp_path: Path, model: list[Path], layout: list[int]
 ) -> None:
@@ -202,7 +204,7 @@ def test_hosts_with_unequal_rank_counts_split_and_every_rank_gets_every_tensor(
     for out in outs:
         assert out.get("error") is None, out
         assert out["tensors"] == expected(model)
-        assert out["hosts"]["split"] and out["hosts"]["hosts"] == 2
+        assert out["hosts"]["split"] and out["hosts"]["hosts"] == len(layout)
     for host in range(len(layout)):
         for f in model:
             assert (tmp_path / f"local{host}" / f.name).read_bytes() == f.read_bytes()

@@ -64,7 +64,7 @@ def start(
     hosts: SimulatedHosts,
     storages: list[HostStorage],
     files: list[Path],
-    ranks_per_host: int,
+    ranks_per_host: int | list[int],
     env: dict[str, str] | None = None,
 ) -> list[subprocess.Popen[str]]:
     """A rank of ``rank_load.py`` per torchrun slot, reading its host's mount of the
@@ -140,13 +140,16 @@ def assert_copies_equal(storages: list[HostStorage], files: list[Path]) -> None:
         ]
 
 
-@pytest.mark.slow("four ranks import torch on two simulated hosts, over FUSE")
-@pytest.mark.parametrize("ranks_per_host", [1, 2])
+@pytest.mark.slow("up to four ranks import torch on two simulated hosts, over FUSE")
+@pytest.mark.parametrize(
+    "layout", [[1, 1], [2, 2], [2, 1], [1, 2]], ids=["1+1", "2+2", "2+1", "1+2"]
+)
 def test_hosts_read_the_mirror_once_in_all_and_every_rank_gets_every_tensor(
-    two_hosts: tuple[SimulatedHosts, list[HostStorage]], model: list[Path], ranks_per_host: int
+    two_hosts: tuple[SimulatedHosts, list[HostStorage]], model: list[Path], layout: list[int]
 ) -> None:
+    """Hosts of equal and unequal rank counts (torchrun nodes of different sizes)."""
     hosts, storages = two_hosts
-    outs = results(start(hosts, storages, model, ranks_per_host))
+    outs = results(start(hosts, storages, model, layout))
     assert_every_rank_got_every_tensor(outs, model)
     assert_copies_equal(storages, model)
     total, each = model_bytes(model), mirror_reads(storages)
@@ -154,18 +157,16 @@ def test_hosts_read_the_mirror_once_in_all_and_every_rank_gets_every_tensor(
     # Once in all (headers and the FUSE's readahead aside), about half on each host.
     assert sum(each) <= 1.05 * total
     assert all(0.3 * total <= n <= 0.7 * total for n in each), each
-    leaders = [outs[h * ranks_per_host]["hosts"] for h in range(2)]
+    leaders = [outs[0]["hosts"], outs[layout[0]]["hosts"]]
     assert all(d["split"] and d["hosts"] == 2 for d in leaders), leaders
     assert sum(d["mirror_bytes"] for d in leaders) == total
     assert [d["received_bytes"] for d in leaders] == [
         leaders[1]["mirror_bytes"],
         leaders[0]["mirror_bytes"],
     ]
-    if ranks_per_host == 2:
-        assert (
-            outs[1]["hosts"]["split"]
-            and outs[1]["hosts"]["mirror_bytes"] == leaders[0]["mirror_bytes"]
-        )
+    for rank, out in enumerate(outs):  # a host's other ranks hear what its leader did
+        host = 0 if rank < layout[0] else 1
+        assert out["hosts"]["mirror_bytes"] == leaders[host]["mirror_bytes"], rank
 
 
 def wait_for_partial(storage: HostStorage, timeout_s: float = 60) -> None:

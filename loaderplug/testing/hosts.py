@@ -338,20 +338,27 @@ class SimulatedHosts:
         return [h.netns for h in self.hosts], [self.bridge, *(h.link for h in self.hosts)]
 
     def torchrun_environments(
-        self, ranks_per_host: int, port: int | None = None
+        self, ranks_per_host: int | Sequence[int], port: int | None = None
     ) -> list[dict[str, str]]:
         """What torchrun would set for each rank (index = global rank) with
-        ``ranks_per_host`` ranks on each host, rank 0 on host 0 serving the store."""
+        ``ranks_per_host`` ranks on each host (a count per host: hosts of unequal
+        ranks, as torchrun starts when its nodes differ), rank 0 on host 0 serving the
+        store."""
         port = port or free_port()
-        envs = []
-        for host in self.hosts:
-            for local in range(ranks_per_host):
+        counts = (
+            [ranks_per_host] * len(self.hosts)
+            if isinstance(ranks_per_host, int)
+            else list(ranks_per_host)
+        )
+        envs: list[dict[str, str]] = []
+        for host, count in zip(self.hosts, counts, strict=True):
+            for local in range(count):
                 envs.append(
                     {
-                        "RANK": str(host.index * ranks_per_host + local),
-                        "WORLD_SIZE": str(len(self.hosts) * ranks_per_host),
+                        "RANK": str(len(envs)),
+                        "WORLD_SIZE": str(sum(counts)),
                         "LOCAL_RANK": str(local),
-                        "LOCAL_WORLD_SIZE": str(ranks_per_host),
+                        "LOCAL_WORLD_SIZE": str(count),
                         "GROUP_RANK": str(host.index),
                         "GROUP_WORLD_SIZE": str(len(self.hosts)),
                         "MASTER_ADDR": self.hosts[0].address,
@@ -362,7 +369,11 @@ class SimulatedHosts:
         return envs
 
     def start_ranks(
-        self, argv: Sequence[str], ranks_per_host: int, env: dict[str, str] | None = None, **kw: Any
+        self,
+        argv: Sequence[str],
+        ranks_per_host: int | Sequence[int],
+        env: dict[str, str] | None = None,
+        **kw: Any,
     ) -> list[subprocess.Popen[Any]]:
         """Start ``argv`` once per rank, each on its host with torchrun's variables over
         ``env`` (default: this process's); the processes, by global rank."""
