@@ -43,7 +43,7 @@ from loaderplug.jobs.plan import FileEntry
 from loaderplug.settings import Settings
 from loaderplug.storage.mounts import MEMORY_TYPES, is_network_type
 from loaderplug.storage.residency import WARM_FRACTION, cached_fraction
-from loaderplug.tensors.budget import MemoryBudget
+from loaderplug.tensors.budget import MemoryBudget, device_limit
 from loaderplug.tensors.device_path import DevicePath
 from loaderplug.tensors.device_sink import DeviceTensorSink
 from loaderplug.tensors.header import Header
@@ -117,8 +117,10 @@ class TensorDelivery:
         self.retries = 0
         self.sizing = default_sizing(settings)  # what a load with no engine reports
         # Host memory for tensors being assembled or not yet taken by the consumer; a
-        # load with a device backend holds pinned buffers instead, as many bytes at most.
+        # load with a device backend holds pinned buffers instead, as many bytes at most,
+        # and device memory for tensors not yet taken within a budget of its own.
         self.budget = MemoryBudget(settings.bytes_in_flight)
+        self.device_budget = MemoryBudget(device_limit(settings))
         self.staged = device.backend is not None
         self.may_map = may_map and device.on_host
         self.serves_here = may_map and not self.staged
@@ -159,7 +161,9 @@ class TensorDelivery:
             self.ready.put(TensorReady(rel, name, tensor))
 
         if self.staged:
-            return DeviceTensorSink(header, self.device, emit, self.budget.limit)
+            return DeviceTensorSink(
+                header, self.device, emit, self.budget.limit, self.device_budget
+            )
         pages = self._shared_pages(entry, policy)
         if pages is not None:
             self._in_page_cache.add(rel)
@@ -277,10 +281,11 @@ class TensorDelivery:
         return not self.ready.empty()
 
     def taken(self, event: TensorReady) -> None:
-        """The consumer received ``event``'s tensor, one a sink emitted: a tensor
-        assembled on the host leaves the budget once its consumer has it."""
-        if not self.staged and event.rel not in self._in_page_cache:
-            self.budget.release(event.tensor.untyped_storage().nbytes())
+        """The consumer received ``event``'s tensor, one a sink emitted: it leaves the
+        budget it was held in (the host's, or the device's) once its consumer has it."""
+        if event.rel not in self._in_page_cache:
+            budget = self.device_budget if self.staged else self.budget
+            budget.release(event.tensor.untyped_storage().nbytes())
 
 
 # Files under this size are read in the consumer's thread (see TensorDelivery), unless
@@ -344,7 +349,8 @@ class HandOver(Generator[Event, None, "EngineStats | None"]):
     the consumer's thread counted in.
 
     Closing it (the consumer stopped early) or an error cancels the engine and waits for
-    its threads, so every unfinished file's sinks are aborted before it returns."""
+    its threads, so every unfinished file's sinks are aborted before it returns, and
+    drops the tensors the consumer did not take."""
 
     def __init__(
         self,
@@ -486,6 +492,16 @@ class HandOver(Generator[Event, None, "EngineStats | None"]):
             self._cancel()
         while worker.is_alive():
             worker.join(0.1)  # timed: the consumer's thread stays able to take Ctrl-C
+        self._drop_untaken()
+
+    def _drop_untaken(self) -> None:
+        """The tensors emitted but never taken go now, not when the load object dies:
+        their memory (on the device, for a load to one) is freed at once."""
+        while True:
+            try:
+                self._delivery.ready.get_nowait()
+            except queue.Empty:
+                return
 
 
 class ReadyOf(Iterator[TensorReady]):

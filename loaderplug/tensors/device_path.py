@@ -21,9 +21,11 @@ import threading
 from typing import TYPE_CHECKING, Any
 
 from loaderplug.devices.pinned import PinnedBuffer, PinnedPool, pool_of
+from loaderplug.engine.sizing import CHUNK_ALIGNMENT
 from loaderplug.errors import LoaderplugError
 from loaderplug.plugins.manager import Plugins
 from loaderplug.settings import Settings
+from loaderplug.tensors.budget import device_limit
 
 if TYPE_CHECKING:
     import torch
@@ -112,6 +114,23 @@ class DevicePath:
             return torch.empty(0, dtype=dtype).reshape(shape)
         memory = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         return torch.frombuffer(memory, dtype=torch.uint8).view(dtype).reshape(shape)
+
+
+def within_device_budget(path: DevicePath, settings: Settings) -> Settings:
+    """``settings`` for a load on ``path``: to a device with a backend, bytes in flight
+    and the span no larger than the device budget, since every span read is held on the
+    device, whole, until its tensors are handed over (a span larger than the budget
+    would take it all at once)."""
+    if path.backend is None:
+        return settings
+    limit = device_limit(settings)
+    overrides: dict[str, int] = {}
+    if settings.bytes_in_flight > limit:
+        overrides["bytes_in_flight"] = limit
+    if settings.span_bytes is not None and settings.span_bytes > limit:
+        # Kept a multiple of the alignment O_DIRECT reads need.
+        overrides["span_bytes"] = max(CHUNK_ALIGNMENT, limit // CHUNK_ALIGNMENT * CHUNK_ALIGNMENT)
+    return settings.replace(**overrides) if overrides else settings
 
 
 def device_path_for(device: Any, settings: Settings) -> DevicePath:

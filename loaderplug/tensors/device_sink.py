@@ -4,22 +4,26 @@
 :mod:`loaderplug.tensors.device_path`). It gives the engine a pinned buffer for each
 range (:meth:`~DeviceTensorSink.place`): the reader's ``pread`` (O_DIRECT where the
 policy says so) lands there, and there is no copy on the host. Each step the engine
-hands on is copied from that buffer to the file's device memory with one non-blocking
-copy on the buffer's stream; the writer that queued it waits for its event (without
-the GIL), then counts the bytes landed, so a tensor whose last bytes those were is
-whole on the device when it is handed over. Readers go on filling other buffers
-meanwhile, and the writers' copies run side by side on the backend's streams.
+hands on is copied from that buffer into the device memory of the tensors it covers,
+one non-blocking copy per tensor on the buffer's stream, then one event; the writer
+that queued them waits for that event (without the GIL), then counts the bytes landed,
+so a tensor whose last bytes those were is whole on the device when it is handed over.
+Readers go on filling other buffers meanwhile, and the writers' copies run side by side
+on the backend's streams.
 
-The file's device memory is one allocation of its data area, made when its first
-bytes arrive; every tensor is a view of it (a tensor whose offset does not suit its
-dtype gets a copy of its own on the device), so a range is one copy however many
-tensors it holds, and the memory is freed when the last of the file's tensors is.
+Each tensor has device memory of its own, allocated when its first bytes are copied and
+owned by the tensor alone once handed over: it is freed when the consumer drops the
+tensor, whatever else of the file it keeps (a weight loader that copies each weight
+into its parameter needs one weight's memory at a time, not a file's). The device
+memory of tensors not handed over yet is held in the load's device budget (see
+:mod:`loaderplug.tensors.budget`): each tensor whole, from the admission of the span
+that begins it, before that span is read.
 
 A buffer goes back to the pool once its reader is done with it and every byte read
 into it was copied, or the file failed: never while a ``pread`` may still fill it or a
 copy still read it. A failed file's copies in flight are waited for before its device
 memory is let go, so a late copy cannot write into memory the allocator has handed to
-another file.
+another tensor.
 """
 
 from __future__ import annotations
@@ -32,11 +36,15 @@ from typing import TYPE_CHECKING, Any
 from loaderplug.devices.backend import CopyEvent
 from loaderplug.devices.pinned import PinnedBuffer
 from loaderplug.engine.retry import Cancelled
+from loaderplug.tensors.budget import FileHold, MemoryBudget
 from loaderplug.tensors.header import Header, TensorInfo
 from loaderplug.tensors.sinks import Coverage, Emit, torch_dtypes
 
 if TYPE_CHECKING:
     from loaderplug.tensors.device_path import DevicePath
+
+# A tensor's bytes within a write: the tensor, and where they begin and end in the file.
+Piece = tuple[TensorInfo, int, int]
 
 
 @dataclass(eq=False)
@@ -53,16 +61,27 @@ class _Region:
 
 
 class DeviceTensorSink:
-    """Lands a file's ranges in pinned buffers and its tensors on the device."""
+    """Lands a file's ranges in pinned buffers and its tensors on the device. ``limit``
+    bounds the pinned pool; ``budget``, if given, the device memory of the tensors not
+    handed over yet."""
 
-    def __init__(self, header: Header, path: DevicePath, emit: Emit, limit: int) -> None:
+    def __init__(
+        self,
+        header: Header,
+        path: DevicePath,
+        emit: Emit,
+        limit: int,
+        budget: MemoryBudget | None = None,
+    ) -> None:
         assert path.backend is not None
         self.header, self.path, self.emit, self.limit = header, path, emit, limit
         self.backend = path.backend
         self._dtypes = torch_dtypes(header)
         self._coverage = Coverage(header)
+        self._hold = FileHold(self._coverage.tensors, budget)
         self._regions: list[_Region] = []
-        self._memory: Any = None  # the file's data area on the device, made on first need
+        # Each tensor's device memory, from its first bytes copied until it is emitted.
+        self._memory: dict[str, Any] = {}
         self._in_flight: list[CopyEvent] = []
         self._lock = threading.Lock()
         self._aborted = False
@@ -71,6 +90,16 @@ class DeviceTensorSink:
         for t in self.header.tensors:
             if not t.nbytes:
                 self.emit(t.name, self._formed(t, self.backend.empty(0)))
+
+    # -- the device budget ----------------------------------------------------------
+
+    def admit(self, offset: int, length: int, cancel: threading.Event) -> None:
+        """Hold in the device budget, before ``[offset, offset+length)`` is read, every
+        tensor it begins, whole."""
+        with self._lock:
+            if self._aborted:
+                raise Cancelled
+        self._hold.admit(offset, length, cancel)
 
     # -- the engine's reads ---------------------------------------------------------
 
@@ -116,12 +145,15 @@ class DeviceTensorSink:
 
     def write(self, data: memoryview, offset: int) -> None:
         region = self._region_of(data, offset)
+        pieces = list(self._coverage.pieces(offset, offset + len(data)))
         if region is None:
-            self._write_unplaced(data, offset)
+            copied = self._copy_unplaced(data, offset, pieces)
         else:
             start = offset - region.offset
-            if not self._copy(region.buffer.host[start : start + len(data)], offset, region.stream):
-                return
+            host = region.buffer.host[start : start + len(data)]
+            copied = self._copy(host, offset, pieces, region.stream)
+        if not copied:
+            return  # the file was aborted: abort() gives the buffer back
         for t in self._coverage.landed(offset, offset + len(data)):
             self._deliver(t)
         if region is not None:
@@ -137,31 +169,18 @@ class DeviceTensorSink:
                     return region
         return None
 
-    def _write_unplaced(self, data: memoryview, offset: int) -> None:
-        """Bytes this sink did not place (another engine's buffer): they reach the device
-        through a pageable copy, counted as a copy on the host."""
-        import torch
-
-        with self._lock:
-            if self._aborted:
-                return
-        host = torch.frombuffer(data, dtype=torch.uint8) if len(data) else torch.empty(0)
-        moved = self.path.to_device(host)
-        self._copy_within(moved, offset)
-
-    def _copy(self, host: Any, offset: int, stream: int) -> bool:
-        """Copy ``host`` (the file's bytes at ``offset``, pinned) to the file's device
-        memory, but the header's; returns once the copy completed, False if the file
-        was aborted first."""
-        start = self.header.data_start
-        lo, hi = max(offset, start), min(offset + len(host), self.header.size)
-        if hi <= lo:
+    def _copy(self, host: Any, offset: int, pieces: list[Piece], stream: int) -> bool:
+        """Copy ``host`` (the file's bytes at ``offset``, pinned) into the device memory
+        of the tensors it covers, ``pieces``; returns once the copies completed, False
+        if the file was aborted first."""
+        if not pieces:
             return True  # the header: nothing of it goes to the device
         with self._lock:
             if self._aborted:
                 return False
-            target = self._device_memory()[lo - start : hi - start]
-            self.backend.copy_async(target, host[lo - offset : hi - offset], stream)
+            for t, begin, end in pieces:
+                target = self._memory_of(t)[begin - t.begin : end - t.begin]
+                self.backend.copy_async(target, host[begin - offset : end - offset], stream)
             event = self.backend.record(stream)
             self._in_flight.append(event)
         try:
@@ -169,24 +188,34 @@ class DeviceTensorSink:
         finally:
             with self._lock:
                 self._in_flight.remove(event)
-        self.path.count(device=hi - lo)
+        self.path.count(device=sum(end - begin for _, begin, end in pieces))
         return True
 
-    def _copy_within(self, moved: Any, offset: int) -> None:
-        start = self.header.data_start
-        lo, hi = max(offset, start), min(offset + moved.numel(), self.header.size)
-        if hi > lo:
-            with self._lock:
-                if not self._aborted:
-                    self._device_memory()[lo - start : hi - start].copy_(
-                        moved[lo - offset : hi - offset]
-                    )
+    def _copy_unplaced(self, data: memoryview, offset: int, pieces: list[Piece]) -> bool:
+        """Bytes this sink did not place (another engine's buffer, pageable): copied
+        synchronously, each tensor's piece straight into its device memory, and counted
+        as copied on the host too (the driver stages pageable memory)."""
+        import torch
 
-    def _device_memory(self) -> Any:
-        """The file's data area on the device (under the lock)."""
-        if self._memory is None:
-            self._memory = self.backend.empty(self.header.size - self.header.data_start)
-        return self._memory
+        if not pieces:
+            return True  # the header: nothing of it goes to the device
+        host = torch.frombuffer(data, dtype=torch.uint8)
+        with self._lock:
+            if self._aborted:
+                return False
+            for t, begin, end in pieces:
+                target = self._memory_of(t)[begin - t.begin : end - t.begin]
+                target.copy_(host[begin - offset : end - offset])
+        nbytes = sum(end - begin for _, begin, end in pieces)
+        self.path.count(host=nbytes, device=nbytes)
+        return True
+
+    def _memory_of(self, t: TensorInfo) -> Any:
+        """``t``'s device memory, allocated on its first bytes (under the lock)."""
+        memory = self._memory.get(t.name)
+        if memory is None:
+            memory = self._memory[t.name] = self.backend.empty(t.nbytes)
+        return memory
 
     def _count_landed(self, region: _Region, nbytes: int) -> None:
         with self._lock:
@@ -202,27 +231,23 @@ class DeviceTensorSink:
     # -- tensors --------------------------------------------------------------------
 
     def _deliver(self, t: TensorInfo) -> None:
+        """Hand ``t`` on, its memory with it: the sink keeps no reference to it."""
         with self._lock:
-            memory = self._memory
-        if memory is None:  # aborted meanwhile
-            return
-        start = t.begin - self.header.data_start
-        self.emit(t.name, self._formed(t, memory[start : start + t.nbytes]))
+            memory = self._memory.pop(t.name, None)
+        if memory is None or not self._hold.emitting(t.nbytes):
+            return  # aborted meanwhile: its memory went back with the file
+        self.emit(t.name, self._formed(t, memory))
 
     def _formed(self, t: TensorInfo, raw: Any) -> Any:
-        """The tensor over ``raw`` (its bytes on the device): a view, or where its offset
-        does not suit its dtype (``view`` refuses it), a copy of its own."""
-        dtype = self._dtypes[t.name]
-        if raw.numel() and raw.storage_offset() % dtype.itemsize:
-            raw = raw.clone()
-        return raw.view(dtype).reshape(t.torch_shape)
+        """The tensor over ``raw``, its own memory (which begins at a device allocation's
+        start, so suits every dtype)."""
+        return raw.view(self._dtypes[t.name]).reshape(t.torch_shape)
 
     # -- the end --------------------------------------------------------------------
 
     def commit(self) -> None:
         self._coverage.check_complete(self.header.path)
-        with self._lock:
-            self._memory = None  # the tensors hold it now
+        self._hold.close()
 
     def abort(self) -> None:
         self._coverage.abort()
@@ -233,11 +258,13 @@ class DeviceTensorSink:
             self._regions = [r for r in self._regions if r.reading]
         # Buffers go back fenced by their streams' events (see _give_back); the device
         # memory only once the copies queued before the abort finished, so that none
-        # writes into memory the allocator has handed to another file meanwhile.
+        # writes into memory the allocator has handed to another tensor meanwhile.
         for region in done:
             self._give_back(region, aborted=True)
         for event in in_flight:
             with contextlib.suppress(Exception):  # a failed copy failed its file already
                 event.synchronize()
         with self._lock:
-            self._memory = None
+            self._memory.clear()
+        # Only now does the budget let other tensors in: this file's memory is freed.
+        self._hold.close()

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from loaderplug.jobs.runner import Runner
 from loaderplug.settings import Settings, from_env
-from loaderplug.tensors.device_path import device_path_for
+from loaderplug.tensors.device_path import device_path_for, within_device_budget
 from loaderplug.tensors.host_split import split_across_hosts
 from loaderplug.tensors.load import Load, Pairs, RunnerPairs
 from loaderplug.tensors.load_plan import load_plan
@@ -68,19 +68,18 @@ def iter_tensors(
 
     def start(load: Load) -> Pairs:
         path = device_path_for(device, job_settings)  # the one place the device is decided
-        world = world_of(group, job_settings, local_dir)
-        share = share_for(world, job_settings)
+        settings = within_device_budget(path, job_settings)
+        world = world_of(group, settings, local_dir)
+        share = share_for(world, settings)
         try:
-            load.hosts = split_across_hosts(paths, local_dir, world, share, job_settings)
+            load.hosts = split_across_hosts(paths, local_dir, world, share, settings)
         except BaseException:
             if share is not None:
                 free_groups([share.group])
             raise
         if share is not None:
-            return shared_tensors(paths, path, local_dir, job_settings, share, load)
-        return RunnerPairs(
-            Runner(load_plan(paths, path, job_settings, local_dir), job_settings), load
-        )
+            return shared_tensors(paths, path, local_dir, settings, share, load)
+        return RunnerPairs(Runner(load_plan(paths, path, settings, local_dir), settings), load)
 
     return Load(start, stats)
 

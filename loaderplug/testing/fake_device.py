@@ -3,9 +3,11 @@
 :class:`FakeDevice` implements :class:`~loaderplug.devices.backend.DeviceBackend` on the
 CPU, as a GPU behaves where it matters: copies are queued and run later, in order, on
 one thread per stream, each after a pause; an event completes when its stream reaches
-it; "device memory" is host memory filled with a marker byte. It records what a test
-needs to see: every buffer pinned and unpinned, every device allocation, every copy,
-and every misuse a real GPU would only show as a rare wrong tensor:
+it; "device memory" is host memory filled with a marker byte, counted as allocated
+until the last tensor over it dies (as the caching allocator frees a block). It records
+what a test needs to see: every buffer pinned and unpinned, every device allocation,
+the device bytes allocated now and at most, every copy, and every misuse a real GPU
+would only show as a rare wrong tensor:
 
 * a copy whose source changed between being queued and running (its buffer was lent
   to another read before the copy completed);
@@ -21,6 +23,7 @@ import mmap
 import queue
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -56,6 +59,9 @@ class FakeRecord:
     pinned: list[int] = field(default_factory=list)  # each buffer's size, as pinned
     unpinned: int = 0
     allocations: list[int] = field(default_factory=list)  # each device allocation's size
+    allocated_bytes: int = 0  # device memory some tensor still holds
+    peak_allocated_bytes: int = 0
+    frees: int = 0  # device allocations freed
     copies: int = 0
     copied_bytes: int = 0
     misuses: list[str] = field(default_factory=list)
@@ -73,7 +79,9 @@ class FakeDevice:
         self.streams = streams
         self.delay_s = delay_s
         self.record_of = FakeRecord()
-        self._lock = threading.Lock()
+        # Reentrant: a tensor freed by a garbage collection that runs while this thread
+        # holds the lock counts its bytes under it again.
+        self._lock = threading.RLock()
         self._queued: dict[int, int] = {}  # pinned buffer's address -> copies queued
         self._queues: list[queue.SimpleQueue[_Copy | FakeEvent]] = []
         for index in range(streams):
@@ -99,11 +107,25 @@ class FakeDevice:
                 self.record_of.misuses.append("a buffer was unpinned with a copy from it queued")
 
     def empty(self, nbytes: int) -> Any:
+        import numpy as np
         import torch
 
         with self._lock:
-            self.record_of.allocations.append(nbytes)
-        return torch.full((nbytes,), 0xAB, dtype=torch.uint8)
+            record = self.record_of
+            record.allocations.append(nbytes)
+            record.allocated_bytes += nbytes
+            record.peak_allocated_bytes = max(record.peak_allocated_bytes, record.allocated_bytes)
+        if not nbytes:  # numpy gives an empty array stride 0, which torch will not view
+            return torch.empty(0, dtype=torch.uint8)
+        memory = np.full(nbytes, 0xAB, dtype=np.uint8)
+        # The tensor's storage owns the array: the array dies with the last view of it.
+        weakref.finalize(memory, self._freed, nbytes).atexit = False
+        return torch.from_numpy(memory)
+
+    def _freed(self, nbytes: int) -> None:
+        with self._lock:
+            self.record_of.allocated_bytes -= nbytes
+            self.record_of.frees += 1
 
     def copy_async(self, dst: Any, src: Any, stream: int) -> None:
         base = _base_address(src)
@@ -117,7 +139,8 @@ class FakeDevice:
         return event
 
     def to_device(self, tensor: Any) -> Any:
-        return tensor.clone()
+        moved = self.empty(tensor.numel() * tensor.element_size())
+        return moved.view(tensor.dtype).reshape(tensor.shape).copy_(tensor)
 
     # -- the streams ----------------------------------------------------------------
 
@@ -126,9 +149,11 @@ class FakeDevice:
             item = work.get()
             if isinstance(item, FakeEvent):
                 item._done.set()
-                continue
-            time.sleep(self.delay_s)
-            self._copy(item)
+            else:
+                time.sleep(self.delay_s)
+                self._copy(item)
+            # A copy done refers to its device memory no more (a stream keeps none alive).
+            del item
 
     def _copy(self, item: _Copy) -> None:
         now = bytes(item.src.numpy())
