@@ -185,9 +185,10 @@ def test_bad_input_fails_with_a_clear_message(mirror: Mirror, tmp_path: Path) ->
     assert "model-00003-of-00003.safetensors" in corrupt_error
     assert "header" in corrupt_error
     assert "unknown --model-loader-extra-config key(s) 'workerz'" in key_error
-    assert "valid keys: bytes_in_flight, direct_io, local_copies, mirror, readers, span_bytes" in (
-        key_error
-    )
+    assert (
+        "valid keys: bytes_in_flight, device_bytes, direct_io, local_copies, mirror, readers, "
+        "span_bytes"
+    ) in key_error
     assert "span_bytes='huge' is invalid" in value_error
 
 

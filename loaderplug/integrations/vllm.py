@@ -39,6 +39,7 @@ EXTRA_CONFIG = {
     "readers": "readers",
     "span_bytes": "span_bytes",
     "bytes_in_flight": "bytes_in_flight",
+    "device_bytes": "device_bytes",
     "direct_io": "direct_io",
 }
 # Keys renamed (old: new), accepted with a deprecation warning for one release.
