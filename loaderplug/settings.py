@@ -258,6 +258,15 @@ class Settings:
         True,
         "After a Hub download that the mirror could not serve, copy it to the mirror.",
     )
+    fill_exit_wait_s: int = _setting(
+        "int",
+        30,
+        "Seconds an exiting process waits for the background fill of the mirror from its "
+        "local Hugging Face cache; what is not published by then is said in a warning and "
+        "left to the next worker (no file is published partially). 0: do not wait.",
+        minimum=0,
+        maximum=24 * 3600,
+    )
     trust_mirror_ref: bool = _setting(
         "bool",
         False,

@@ -10,11 +10,16 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from loaderplug.testing.hub import HubServer, client_env, share_blobs
+from loaderplug.testing.volume import VolumeProfile, mounted
+from loaderplug.units import MiB
+from tests.conftest import tree_bytes
+from tests.hubserver import hub as hub
 
 pytest.importorskip("transformers")
 
@@ -79,3 +84,88 @@ def test_a_warm_local_cache_fills_an_empty_mirror(tmp_path: Path, how: str, layo
         hub.stop()  # the next worker needs nothing of the Hub
         worker(hub, tmp_path / "next", volume)
         assert hub.file_requests() == 0
+
+
+# -- a worker that exits while the fill runs ---------------------------------------------
+
+TINY = "acme/tiny"
+TINY_FOLDER = "models--acme--tiny"
+# Looks a file up in the warm cache (which offers the commit to the background fill),
+# then, with FORK set, forks a child that ends as any program ends (its exit handlers
+# run) and says how it ended.
+LOOKUP = (
+    "import os, sys, huggingface_hub\n"
+    f"found = huggingface_hub.try_to_load_from_cache({TINY!r}, 'config.json')\n"
+    "print('found', found is not None, flush=True)\n"
+    "if os.environ.get('FORK'):\n"
+    "    pid = os.fork()\n"
+    "    if pid == 0:\n"
+    "        sys.exit(0)\n"
+    "    print('child exited', os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]), flush=True)\n"
+)
+
+
+@pytest.fixture
+def slow_warm_cache(hub: HubServer, tmp_path: Path) -> Iterator[tuple[Path, str]]:
+    """A warm HF_HOME on a volume that reads 1 MiB/s, whose cache holds the repo (64 MiB
+    of weights: a fill from it outlasts the worker's timeout); its mount point and sha."""
+    from huggingface_hub import snapshot_download
+
+    home = tmp_path / "home"
+    sha = hub.add_repo(TINY, {"config.json": b"{}\n", "model.safetensors": os.urandom(64 * MiB)})
+    snapshot_download(TINY, cache_dir=home / "hub")
+    slow = VolumeProfile(per_stream_bytes_per_s=MiB, mount_bytes_per_s=MiB)
+    with mounted(home, tmp_path / "slow-home", slow) as vol:
+        yield vol.mountpoint, sha
+
+
+def exiting_worker(home: Path, volume: Path, **env: str) -> subprocess.CompletedProcess[str]:
+    """The lookup under ``loaderplug run``, offline, with a timeout below the fill's time.
+    One reader: an exiting process waits for the reads its kernel has in flight on a
+    FUSE mount, and the volume's throttle would queue many behind each other."""
+    done = subprocess.run(
+        ["loaderplug", "run", sys.executable, "-c", LOOKUP],
+        env={**os.environ, "HF_HOME": str(home), "HF_HUB_CACHE": str(home / "hub"),
+             "HF_HUB_OFFLINE": "1", "LOADERPLUG_MIRROR": str(volume),
+             "LOADERPLUG_PROGRESS": "0", "LOADERPLUG_READERS": "1", **env},
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )  # fmt: skip
+    assert done.returncode == 0 and "found True" in done.stdout, done.stderr[-3000:]
+    return done
+
+
+def assert_nothing_partial(volume: Path, home: Path) -> None:
+    """Every blob published on the mirror is the cache's, whole; no ref until all are."""
+    mirrored = volume / "hub" / TINY_FOLDER
+    assert not (mirrored / "refs").exists()
+    published = tree_bytes(mirrored / "blobs") if (mirrored / "blobs").exists() else {}
+    for name, data in published.items():
+        assert data == (home / "hub" / TINY_FOLDER / "blobs" / name).read_bytes(), name
+
+
+@pytest.mark.fuse
+@pytest.mark.slow("a process under loaderplug run, its cache on a throttled volume")
+def test_a_worker_exits_within_the_fill_wait_and_says_what_it_left(
+    slow_warm_cache: tuple[Path, str], tmp_path: Path, volume: Path
+) -> None:
+    home, sha = slow_warm_cache
+    done = exiting_worker(home, volume, LOADERPLUG_FILL_EXIT_WAIT_S="1")
+    assert "exiting before the mirror was filled" in done.stderr, done.stderr[-3000:]
+    assert f"{TINY} at commit {sha}" in done.stderr
+    assert "model.safetensors" in done.stderr
+    assert_nothing_partial(volume, home)
+
+
+@pytest.mark.fuse
+@pytest.mark.slow("a process under loaderplug run, its cache on a throttled volume")
+def test_a_forked_child_runs_none_of_its_parents_fill(
+    slow_warm_cache: tuple[Path, str], tmp_path: Path, volume: Path
+) -> None:
+    home, _ = slow_warm_cache
+    done = exiting_worker(home, volume, FORK="1", LOADERPLUG_FILL_EXIT_WAIT_S="0")
+    assert "child exited 0" in done.stdout, done.stderr[-3000:]
+    # Said once, by the parent: the child had no fill to leave.
+    assert done.stderr.count("exiting before the mirror was filled") == 1, done.stderr
+    assert_nothing_partial(volume, home)

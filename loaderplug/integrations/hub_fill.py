@@ -17,19 +17,30 @@ the next one resumes. Only files the local cache holds are published, checked ag
 the commit's listing in the local cache. A cache without that listing (huggingface_hub
 writes it for a snapshot download, not always for single files) publishes nothing: a
 lookup never asks the Hub, so the fill is left to the next download of the repo, which
-may ask it for the listing (said at debug). A process that exits while a publish runs
-finishes it first (Ctrl-C leaves it, as any sync).
+may ask it for the listing (said at debug).
+
+A process that exits while the fill runs waits for it at most
+``LOADERPLUG_FILL_EXIT_WAIT_S`` (Ctrl-C leaves it, as any sync): a worker is never held
+at exit by a slow volume. What is left unpublished then (the repo, the commit, its files)
+is said in a warning and left to the next worker. No file on the mirror is ever partial
+(each is published whole, by a rename), and the commit's ref, published last, is not
+there until every file is. A forked child
+(``os.fork``, multiprocessing, vLLM's workers) inherits none of it: not the parent's
+offers, nor its exit wait, which would wait there for a thread that does not exist.
 """
 
 from __future__ import annotations
 
 import atexit
 import logging
+import os
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from loaderplug.errors import SettingsError
 from loaderplug.settings import from_env
 
 from . import hub_commits, hub_mirror
@@ -58,10 +69,21 @@ class _Offer:
     found: Path | None
 
 
+@dataclass(frozen=True)
+class _Publishing:
+    """The commit the fill thread is publishing, for a process that exits before it is
+    done to say what it left."""
+
+    repo_id: str
+    local: LocalCommit
+    files: tuple[str, ...]
+
+
 _seen: set[tuple[str, ...]] = set()  # offers handed over (one per repo, cache, commit)
 _offered: set[tuple[Path, str]] = set()  # commits taken up by the fill thread
 _pending: list[_Offer] = []
 _busy = False  # the fill thread is working on one
+_publishing: _Publishing | None = None
 _cond = threading.Condition()
 _worker: threading.Thread | None = None
 
@@ -82,7 +104,7 @@ def offer(options: dict[str, Any], found: Path | None = None) -> None:
         if _worker is None:
             _worker = threading.Thread(target=_fill_offered, name="loaderplug-fill", daemon=True)
             _worker.start()
-            atexit.register(wait)
+            atexit.register(_wait_at_exit)
 
 
 def _offer_key(options: dict[str, Any], found: Path | None) -> tuple[str, ...]:
@@ -98,11 +120,68 @@ def _offer_key(options: dict[str, Any], found: Path | None) -> tuple[str, ...]:
     )
 
 
-def wait() -> None:
-    """Until every commit offered so far is published (or has failed)."""
+def wait(timeout_s: float | None = None) -> bool:
+    """Until every commit offered so far is published (or has failed), or ``timeout_s``
+    passed; whether it is all done."""
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
     with _cond:
         while _pending or _busy:
-            _cond.wait(0.1)  # timed: the waiting thread stays able to take Ctrl-C
+            left = 0.1 if deadline is None else min(0.1, deadline - time.monotonic())
+            if left <= 0:
+                return False
+            _cond.wait(left)  # at most 0.1 s: the waiting thread stays able to take Ctrl-C
+    return True
+
+
+def _wait_at_exit() -> None:
+    """At exit, the fill given ``LOADERPLUG_FILL_EXIT_WAIT_S`` to finish; what it has not
+    published by then is said, and left to the next worker."""
+    try:
+        wait_s: float = from_env().fill_exit_wait_s
+    except SettingsError as exc:  # said by whatever read the settings first; not here
+        wait_s = 30
+        log.debug("loaderplug: the fill's exit wait: %s; waiting %g s", exc, wait_s)
+    if wait(wait_s):
+        return
+    with _cond:
+        publishing, pending = _publishing, [o.options["repo_id"] for o in _pending]
+    log.warning(
+        "loaderplug: exiting before the mirror was filled from the local cache "
+        "(waited %g s, LOADERPLUG_FILL_EXIT_WAIT_S): %s; no file of it is published "
+        "partially, and the next worker that finds it in its cache fills it",
+        wait_s,
+        _left_unpublished(publishing, pending),
+    )
+
+
+def _left_unpublished(publishing: _Publishing | None, pending: list[str]) -> str:
+    """What an exit leaves unpublished, for the warning that says so."""
+    parts = []
+    if publishing is not None:
+        files = list(publishing.files)
+        shown = ", ".join(files[:5]) + (f" and {len(files) - 5} more" if len(files) > 5 else "")
+        parts.append(
+            f"{publishing.repo_id} at commit {publishing.local.commit} to "
+            f"{publishing.local.mirror} is not (wholly) published ({len(files)} file(s): "
+            f"{shown})"
+        )
+    if pending:
+        parts.append(f"{len(pending)} offer(s) not looked at ({', '.join(map(str, pending))})")
+    return "; ".join(parts) or "the fill was about to end"
+
+
+def _forget_in_child() -> None:
+    """In a forked child: none of the parent's fill. Its thread is not there; its offers
+    and exit wait are the parent's, and waiting at the child's exit for that thread would
+    wait for good. The lock may have been held by a parent's thread at the fork: a new one."""
+    global _busy, _cond, _publishing, _worker
+    _pending.clear()
+    _busy, _publishing, _worker = False, None, None
+    _cond = threading.Condition()
+    atexit.unregister(_wait_at_exit)
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
 
 
 def _fill_offered() -> None:
@@ -161,12 +240,14 @@ def _take_up(offered: _Offer) -> None:
             offered.options["repo_id"],
         )
         return
-    fill(local)
+    fill(local, str(offered.options["repo_id"]))
 
 
-def fill(commit: LocalCommit) -> bool:
+def fill(commit: LocalCommit, repo_id: str = "") -> bool:
     """Publish the files of ``commit`` the local cache holds that the mirror lacks; True
-    if something was published."""
+    if something was published. ``repo_id`` names the repo where an exit says what it
+    left unpublished."""
+    global _publishing
     settings = from_env()
     listing = hub_mirror.read_listing(commit.cache, commit.commit)
     if listing is None:
@@ -178,9 +259,15 @@ def fill(commit: LocalCommit) -> bool:
         if not have.refused:
             return False  # the mirror holds all of it already
     ref = _ref_to_publish(commit)
-    report = hub_mirror.sync_snapshot(
-        commit.cache, commit.mirror, commit.commit, ref, set(held).intersection, settings
-    )
+    with _cond:
+        _publishing = _Publishing(repo_id or commit.cache.name, commit, tuple(held))
+    try:
+        report = hub_mirror.sync_snapshot(
+            commit.cache, commit.mirror, commit.commit, ref, set(held).intersection, settings
+        )
+    finally:
+        with _cond:
+            _publishing = None
     if report.ok:
         log.info(
             "loaderplug: filled the mirror %s with %d file(s) of commit %s from the local cache",
