@@ -138,3 +138,18 @@ def test_each_tensor_is_freed_as_soon_as_a_weight_loader_drops_it(
     assert peak <= BUDGET + LARGEST, f"{peak / MiB:.1f} MiB on top of the parameters"
     expected = reference([big_file])
     assert all(same(params[n], t.view(torch.uint8)) for n, t in expected.items())
+
+
+def test_a_span_set_larger_than_the_device_budget_is_cut_to_it(
+    shards: list[Path], device: FakeDevice
+) -> None:
+    """Every span read is held on the device until its tensors are handed over: a span
+    of 1 MiB within a 16 KiB device budget would take 64 budgets at once."""
+    from loaderplug.engine.reading import READ_PADDING
+
+    settings = {**READS, "split_threshold_bytes": 0}
+    load = iter_tensors(shards, "cuda", **{**settings, "device_bytes": "16K"})
+    got = dict(load)
+    assert all(same(got[n], t) for n, t in reference(shards).items())
+    assert load.bytes_in_flight == 16 * 1024  # what the load read at once, at most
+    assert max(device.record_of.pinned) <= 16 * 1024 + READ_PADDING
