@@ -12,59 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from loaderplug.tensors import peers
-from loaderplug.tensors.peers import Heartbeats, Peer
 from loaderplug.testing.model import write_model
 from loaderplug.units import MiB
 from tests.helpers.ranks import HELPER, REPO
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("torch.distributed")
-
-
-def test_a_rank_whose_heartbeat_stops_is_silent_and_one_that_beats_never(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    from torch.distributed import HashStore
-
-    monkeypatch.setattr(peers, "SILENT_S", 0.0)  # any look without a new beat: silent
-    store = HashStore()
-    zero = Heartbeats(store, 0, [Peer(1, None), Peer(2, None), Peer(3, None)])
-    one = Heartbeats(store, 1, [Peer(0, None)])
-    two = Heartbeats(store, 2, [Peer(0, None)])
-    assert zero.beat() == []  # the first look sees every count for the first time
-    one.beat()
-    two.beat()
-    assert zero.beat() == []
-    one.beat()  # rank 1 beats on, however slow; rank 2 beats no more
-    assert zero.beat() == [Peer(2, None)]  # rank 3 never beat: not yet watching
-    one.beat()
-    assert zero.beat() == []  # rank 2 is told once
-
-
-class DeadStore:
-    def add(self, key: str, amount: int) -> int:
-        raise RuntimeError("Connection reset by peer")
-
-
-class SilentStore:
-    def add(self, key: str, amount: int) -> int:
-        return 1
-
-
-def test_a_store_that_fails_or_keeps_silent_names_rank_0s_host(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """The store is served on rank 0's host: its failure, or a wait on it as long as a
-    silent heartbeat, is that host's end (where rank 0 is watched at all)."""
-    keeper = Peer(0, None, "host0")
-    assert Heartbeats(DeadStore(), 1, [keeper]).beat() == [keeper]
-    assert Heartbeats(DeadStore(), 2, [Peer(1, None)]).beat() == []  # rank 0 not watched
-    beats = Heartbeats(SilentStore(), 1, [keeper])
-    beats.beat()
-    assert beats.unanswered() is None
-    monkeypatch.setattr(peers, "SILENT_S", 0.0)  # as if the next answer never came
-    assert beats.unanswered() == keeper
 
 
 def _in_own_pid_namespace_works() -> str | None:

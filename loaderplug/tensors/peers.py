@@ -13,10 +13,11 @@ rank watches the others' processes directly: a pidfd becomes readable the moment
 process exits (a zombie included). Only a process in this rank's pid namespace can be
 watched so (a process id means nothing in another); a rank of this host in another pid
 namespace (a container of its own, with the host's network and files) is watched by its
-heartbeat instead: each such rank counts up a key of its own in the group's store every
-:data:`BEAT_S` from a thread of its own, and one whose count stood still for
-:data:`SILENT_S` has died. A rank that is merely slow is never taken for dead: only an
-exit counts, or a heartbeat that stopped for far longer than any slow step takes. The
+heartbeat instead (:mod:`loaderplug.tensors.heartbeats`): each such rank counts up a
+key of its own in the group's store from a thread of its own, and one whose count stood
+still for ``SILENT_S`` while the store kept answering has died. A rank that is merely
+slow is never taken for dead: only an exit counts, or a heartbeat that stopped for far
+longer than any slow step takes. The
 hosts that split a one pass (:mod:`loaderplug.tensors.host_split`) watch each other's
 leading rank by heartbeat too: a pidfd cannot see another host, and a host whose network
 stalls closes no socket.
@@ -28,12 +29,11 @@ import logging
 import os
 import select
 import threading
-import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any
 
 from loaderplug.errors import DistributedError
+from loaderplug.tensors import heartbeats as beats
+from loaderplug.tensors.heartbeats import BEAT_S, Heartbeats, Peer
 
 log = logging.getLogger(__name__)
 
@@ -47,22 +47,6 @@ PROC_POLL_S = 0.25
 # How long a failed collective waits for a peer's exit to be seen, to name it: a peer's
 # death closes its sockets a moment before its process is seen to exit.
 PEER_EXIT_S = 1.0
-# How often a rank counts its heartbeat up, and how long one may stand still before its
-# rank is taken for dead: long next to a beat (a thread of a busy process may wait for
-# the interpreter's lock a while), short next to the collective timeout.
-BEAT_S = 0.25
-SILENT_S = 5.0
-
-
-@dataclass(frozen=True)
-class Peer:
-    """Another rank of the share, by its rank in the default group and its process id
-    (None: in another pid namespace, where this rank cannot see it; watched by its
-    heartbeat)."""
-
-    rank: int
-    pid: int | None
-    hostname: str | None = None  # set for a rank on another host
 
 
 def pid_namespace() -> str | None:
@@ -71,53 +55,6 @@ def pid_namespace() -> str | None:
         return os.readlink("/proc/self/ns/pid")
     except OSError:
         return None
-
-
-class Heartbeats:
-    """This rank's heartbeat and the others' in ``store`` (under a prefix of the load's
-    own): :meth:`beat` counts this rank's up and says which watched peers' counts stood
-    still for :data:`SILENT_S`. The store is served on rank 0's host: a
-    store that fails, or keeps this rank waiting for :data:`SILENT_S`, says that host is
-    gone (its rank is :attr:`keeper`, where watched); where it is not watched, the
-    collectives' own failure and timeout remain."""
-
-    def __init__(self, store: Any, rank: int, peers: Sequence[Peer]) -> None:
-        self._store, self._rank = store, rank
-        self._last: dict[Peer, tuple[int, float]] = {p: (-1, time.monotonic()) for p in peers}
-        self.keeper = next((peer for peer in peers if peer.rank == 0), None)
-        self._answered = time.monotonic()  # the store's last answer to this rank
-
-    def beat(self) -> list[Peer]:
-        """Count up this rank's heartbeat; the watched peers silent for too long (the
-        store's keeper, if the store failed)."""
-        if self._store is None:
-            return []
-        now = time.monotonic()
-        try:
-            self._store.add(str(self._rank), 1)
-            counts = {peer: self._store.add(str(peer.rank), 0) for peer in self._last}
-        except Exception:  # a store that failed says nothing more of the peers
-            log.warning("loaderplug: the ranks' heartbeats stop (the store failed)", exc_info=True)
-            self._store = None
-            return [self.keeper] if self.keeper is not None else []
-        self._answered = time.monotonic()
-        silent = []
-        for peer, count in counts.items():
-            last_count, since = self._last[peer]
-            if count != last_count:
-                self._last[peer] = (count, now)
-            elif count > 0 and now - since >= SILENT_S:  # it beat, then stopped
-                silent.append(peer)
-        for peer in silent:
-            del self._last[peer]
-        return silent
-
-    def unanswered(self) -> Peer | None:
-        """The store's keeper, once the store kept this rank waiting for :data:`SILENT_S`
-        (its host died, or the network to it stalled: no answer, no error)."""
-        if self._store is None or self.keeper is None:
-            return None
-        return self.keeper if time.monotonic() - self._answered >= SILENT_S else None
 
 
 class PeerWatch:
@@ -145,7 +82,7 @@ class PeerWatch:
             except (OSError, AttributeError):
                 self._polled.append((peer, peer.pid))
         # A failed collective waits this long to see whether a peer died, to name it.
-        self.settle_s = SILENT_S + 2 * BEAT_S if heartbeats is not None else PEER_EXIT_S
+        self.settle_s = beats.SILENT_S + 2 * BEAT_S if heartbeats is not None else PEER_EXIT_S
         self._wake_r, self._wake_w = os.pipe()
         self._thread = threading.Thread(target=self._watch, name="loaderplug-peers", daemon=True)
         self._thread.start()
@@ -172,13 +109,13 @@ class PeerWatch:
         if peer.hostname is not None:
             return DistributedError(
                 f"host {peer.hostname} (rank {peer.rank}) of the shared load stopped "
-                f"answering: its heartbeat stood still for {SILENT_S:g} s (the host died, "
+                f"answering: its heartbeat stood still for {beats.SILENT_S:g} s (the host died, "
                 f"or the network to it stalled); this rank stops too"
             )
         if peer.pid is None:
             return DistributedError(
                 f"rank {peer.rank} of the shared load died (its heartbeat stopped for "
-                f"{SILENT_S:g} s; it runs on this host, in another pid namespace); this "
+                f"{beats.SILENT_S:g} s; it runs on this host, in another pid namespace); this "
                 f"rank stops too"
             )
         return DistributedError(
@@ -237,6 +174,8 @@ class PeerWatch:
                 return
 
     def _died(self, peer: Peer) -> None:
+        if self._heartbeats is not None:
+            self._heartbeats.tell(peer)  # ranks that cannot see it hear of it at once
         with self._lock:
             if self.dead is None:
                 self.dead = peer

@@ -95,9 +95,8 @@ def share_for(world: World | None, settings: Settings) -> Share | None:
 
 def watch(share: Share) -> PeerWatch:
     """A watch on the share's other ranks: their processes, or their heartbeats."""
-    others = [peer for peer in share.peers if peer.pid is None]
     me = share.global_ranks[share.rank]
-    beats = Heartbeats(share.heartbeats, me, others) if share.heartbeats is not None else None
+    beats = Heartbeats(share.heartbeats, me, share.peers) if share.heartbeats is not None else None
     return PeerWatch(share.peers, beats)
 
 
