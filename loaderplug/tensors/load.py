@@ -47,8 +47,9 @@ class Load(Iterator[tuple[str, "torch.Tensor"]]):
         self.owners: dict[str, int] = {}
         # For ranks on several hosts: whether the hosts split the reads, and why.
         self.hosts: HostsChoice | None = None
-        # The memory budget this process loaded within: LOADERPLUG_BYTES_IN_FLIGHT, or
-        # its part of it when ranks on the host share the load.
+        # The memory budget this process loaded within: LOADERPLUG_BYTES_IN_FLIGHT (for
+        # a load to a device, no more than LOADERPLUG_DEVICE_BYTES), or its part of it
+        # when ranks on the host share the load.
         self.bytes_in_flight: int | None = None
         # On the way to a device (see loaderplug.tensors.device_path): tensor bytes
         # copied host to host (none where reads land in pinned memory), bytes copied to
