@@ -1,18 +1,25 @@
 """A Hub that hangs, refuses connections or answers 5xx/429 costs a worker whose mirror
 holds the model one timeout: transformers' ``from_pretrained`` by repo id, run as users
-run it (under ``loaderplug run``), against a test Hub in each of those states."""
+run it (under ``loaderplug run``), against a test Hub in each of those states. Only what
+is asked about a repo is cut at that timeout: a slow download completes, and leaves the
+Hub reachable."""
 
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
+import threading
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from loaderplug.integrations.hub_outage import repo_of
+from loaderplug.integrations import hub_commits, hub_fill
+from loaderplug.integrations.hub_outage import asks_about, repo_of
 from loaderplug.testing.hub import HubServer, client_env
+from tests.hubserver import hub as hub
 
 pytest.importorskip("transformers")
 
@@ -42,6 +49,32 @@ WORKER = (
 )
 def test_each_hub_request_is_known_by_its_repo(path: str, repo: tuple[str, str] | None) -> None:
     assert repo_of(path) == repo
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "repo"),
+    [
+        ("GET", "/api/models/acme/llama/revision/main", ("model", "acme/llama")),
+        ("GET", "/api/models/acme/llama", ("model", "acme/llama")),
+        ("GET", "/api/models/acme/llama/tree/abc", ("model", "acme/llama")),
+        ("GET", "/api/models/acme/llama/xet-read-token/abc", ("model", "acme/llama")),
+        ("POST", "/api/models/acme/llama/paths-info/abc", ("model", "acme/llama")),
+        ("HEAD", "/acme/llama/resolve/abc/config.json", ("model", "acme/llama")),
+        ("HEAD", "/datasets/acme/data/resolve/main/x.csv", ("dataset", "acme/data")),
+        # A file's content, an upload, a commit: never guarded.
+        ("GET", "/acme/llama/resolve/abc/model.safetensors", None),
+        ("GET", "/gpt2/resolve/main/config.json", None),
+        ("GET", "/datasets/acme/data/resolve/main/x.csv", None),
+        ("GET", "/api/models/acme/llama/resolve/main/config.json", None),
+        ("POST", "/api/models/acme/llama/preupload/main", None),
+        ("POST", "/api/models/acme/llama/commit/main", None),
+        ("PUT", "/api/models/acme/llama/settings", None),
+    ],
+)
+def test_only_what_is_asked_about_a_repo_is_guarded(
+    method: str, path: str, repo: tuple[str, str] | None
+) -> None:
+    assert asks_about(method, path) == repo
 
 
 def worker(
@@ -89,3 +122,86 @@ def test_a_worker_whose_mirror_holds_the_model_is_not_held_up_by_the_hub(
         assert hub.file_requests() == 0, hub.requests
         # One request at most reached the Hub before it counted as out of reach.
         assert len(hub.requests) <= 1, hub.requests
+
+
+SLOW = "acme/slow"
+SLOW_FILES = {"config.json": b'{"model_type": "llama"}\n', "model.safetensors": os.urandom(300_000)}
+
+
+@pytest.fixture
+def hooked(hub: HubServer, volume: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[HubServer]:
+    """The hook on in this process, with a mirror that holds the repo (a first download
+    filled it with the config) and Hub timeouts of 1 s, loaderplug's and
+    huggingface_hub's own for a file's content."""
+    import huggingface_hub
+    from huggingface_hub import constants
+
+    from loaderplug.integrations import huggingface_hub as lp_hub
+
+    monkeypatch.setenv("LOADERPLUG_HUB_TIMEOUT_S", "1")
+    monkeypatch.setattr(constants, "HF_HUB_DOWNLOAD_TIMEOUT", 1)
+    hub.add_repo(SLOW, SLOW_FILES)
+    hub_commits.forget_pins()
+    with lp_hub.installed():
+        huggingface_hub.hf_hub_download(SLOW, "config.json")
+        assert (volume / "hub" / "models--acme--slow" / "refs").is_dir()
+        yield hub
+        hub_fill.wait()
+    hub_commits.forget_pins()
+
+
+def finishes(call: Callable[[], Any]) -> Any:
+    """What ``call`` returns or raises, run on a thread so that a test of a hang cannot
+    hang the suite (a call still waiting after a minute fails the test)."""
+    outcome: list[Any] = []
+
+    def run() -> None:
+        try:
+            outcome.append(call())
+        except Exception as exc:
+            outcome.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(60)
+    assert outcome, "still waiting for the Hub"
+    return outcome[0]
+
+
+@pytest.mark.slow("a download the Hub is seconds slow to start")
+def test_a_download_slower_than_its_timeout_is_resumed_and_the_hub_stays_reachable(
+    hooked: HubServer,
+) -> None:
+    import huggingface_hub
+
+    hooked.slow_downloads(2.5)  # past huggingface_hub's and loaderplug's timeouts, once
+    path = huggingface_hub.hf_hub_download(SLOW, "model.safetensors")
+    assert Path(path).read_bytes() == SLOW_FILES["model.safetensors"]
+    hooked.reset_counts()
+    info = huggingface_hub.HfApi().model_info(SLOW)  # asked of the Hub, not taken as offline
+    assert info.id == SLOW and hooked.requests == [("GET", f"/api/models/{SLOW}")]
+
+
+@pytest.mark.slow("a download the Hub is seconds slow to start")
+def test_a_download_with_no_timeout_of_its_own_is_not_cut_at_loaderplugs(
+    hooked: HubServer,
+) -> None:
+    import huggingface_hub
+
+    hooked.slow_downloads(2.5)  # past LOADERPLUG_HUB_TIMEOUT_S
+    url = huggingface_hub.hf_hub_url(SLOW, "model.safetensors")
+    response = huggingface_hub.get_session().get(url)
+    assert response.status_code == 200
+    assert response.content == SLOW_FILES["model.safetensors"]
+
+
+def test_a_hung_request_about_a_repo_is_cut_at_the_timeout(hooked: HubServer) -> None:
+    import huggingface_hub
+
+    hooked.failing = "hang"
+    api = huggingface_hub.HfApi()
+    cut = finishes(lambda: api.model_info(SLOW))
+    assert isinstance(cut, Exception) and "timed out" in str(cut).lower(), repr(cut)
+    # From then on the repo is asked nothing: huggingface_hub is told it is offline.
+    again = finishes(lambda: api.model_info(SLOW))
+    assert isinstance(again, huggingface_hub.errors.OfflineModeIsEnabled), repr(again)

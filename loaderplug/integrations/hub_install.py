@@ -1,6 +1,7 @@
 """The Hub hook put in place: each wrapper bound wherever a library can reach the
-original it replaces, and huggingface_hub's HTTP client guarded (:mod:`.hub_outage`);
-all of it undone by :func:`uninstall`."""
+original it replaces, and huggingface_hub's HTTP client guarded (:mod:`.hub_outage`:
+what it asks about a repo, never a download or an upload); all of it undone by
+:func:`uninstall`."""
 
 from __future__ import annotations
 
@@ -55,7 +56,8 @@ def install(ours: dict[Callable[..., Any], Callable[..., Any]], owner: types.Mod
 
 def _guard_the_client() -> None:
     """huggingface_hub's shared client from now on: made by the factory in place (its
-    default, or the program's own), its requests for repos the mirror holds guarded."""
+    default, or the program's own), what it asks about repos the mirror holds guarded
+    (a file's content and an upload are sent as the factory's client sends them)."""
     made_by = seam.client_factory()
 
     def guarded() -> Any:

@@ -14,8 +14,13 @@ holds are guarded (:func:`guard`):
   ``OfflineModeIsEnabled``, which huggingface_hub, transformers and vLLM take as
   ``HF_HUB_OFFLINE``: they look in the local cache, where the hook serves the mirror.
 
-Requests for repos the mirror does not hold go to the Hub as stock sends them: a first
-worker's download is never cut short here.
+Only what a worker asks the Hub *about* a repo is guarded (:func:`asks_about`): its
+revisions and refs, its info and file listings, a file's metadata (the ``HEAD`` of a
+``/resolve/`` URL). A file's content (the ``GET`` of that URL; Xet transfers go to
+other hosts) and every write (a commit, an upload) go as stock sends them, whatever
+the outage: their timeouts are their callers', a slow transfer is no outage, and the
+mirror could answer neither. Requests for repos the mirror does not hold go as stock
+sends them too: a first worker's download is never cut short here.
 """
 
 from __future__ import annotations
@@ -36,6 +41,12 @@ _API_VERBS = frozenset(
 )  # fmt: skip
 _API = re.compile(r"^/api/(models|datasets|spaces)/(.+)$")
 _FILE = re.compile(r"^/(?:(datasets|spaces)/)?(.+?)/resolve/")
+# A file's URL, as huggingface_hub builds it (hf_hub_url) or as its API serves it too
+# (/api/models/<repo>/resolve/...): a GET of it is the file's content.
+_FILE_CONTENT = re.compile(r"^(?:/api/(?:models|datasets|spaces))?/.+?/resolve/")
+# The one request huggingface_hub POSTs to read a repo (get_paths_info); every other
+# POST, and every PUT, PATCH or DELETE, writes.
+_READING_POST = re.compile(r"^/api/(?:models|datasets|spaces)/.+/paths-info/")
 
 # Whether the mirror holds a repo: (repo type, repo id) -> bool.
 Holds = Callable[[str, str], bool]
@@ -55,6 +66,18 @@ def repo_of(path: str) -> tuple[str, str] | None:
     return None
 
 
+def asks_about(method: str, path: str) -> tuple[str, str] | None:
+    """The repo (type and id) a request asks the Hub about, from its method and URL
+    path; None for one that moves a file's content (a download's GET, an upload, a
+    commit) or is about no repo."""
+    method = method.upper()
+    if method == "GET" and _FILE_CONTENT.match(path):
+        return None
+    if method not in ("GET", "HEAD") and not (method == "POST" and _READING_POST.match(path)):
+        return None
+    return repo_of(path)
+
+
 def guard(
     client: Any,
     holds: Holds,
@@ -62,15 +85,15 @@ def guard(
     offline_error: type[Exception],
     unreachable: tuple[type[BaseException], ...],
 ) -> Any:
-    """``client`` (huggingface_hub's ``httpx2.Client``), its requests for repos the mirror
-    holds guarded as the module doc says; ``offline_error``: huggingface_hub's
+    """``client`` (huggingface_hub's ``httpx2.Client``), the requests it sends about repos
+    the mirror holds guarded as the module doc says; ``offline_error``: huggingface_hub's
     ``OfflineModeIsEnabled``; ``unreachable``: what the client raises for a refused or
     failed connection and for a timeout."""
     send = client.send
 
     @functools.wraps(send)
     def guarded_send(request: Any, *args: Any, **kwargs: Any) -> Any:
-        repo = repo_of(request.url.path)
+        repo = asks_about(request.method, request.url.path)
         if repo is None or not holds(*repo):
             return send(request, *args, **kwargs)
         endpoint = f"{request.url.scheme}://{request.url.netloc.decode()}"

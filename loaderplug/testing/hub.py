@@ -217,6 +217,8 @@ class _Handler(BaseHTTPRequestHandler):
             hub._released.wait()
             self.close_connection = True
             return
+        if not head and hub._delays_download(self.path):
+            hub._released.wait(hub.download_delay_s)
         try:
             if hub.failing in ("500", "503", "429"):
                 raise _HubError(int(hub.failing), "", f"the test Hub answers {hub.failing}")
@@ -419,7 +421,10 @@ class HubServer(_HubApi):
         # An outage: "hang" (every request accepted and never answered, until stop()),
         # or a status every request gets ("500", "503", "429"); None: answering.
         self.failing: str | None = None
-        self._released = threading.Event()  # lets hung requests go at stop()
+        # Slow downloads (see slow_downloads): how long, and how many more.
+        self.download_delay_s = 0.0
+        self.delayed_downloads = 0
+        self._released = threading.Event()  # lets hung or delayed requests go at stop()
         self._lock = threading.Lock()
         self._repos: dict[str, _Repo] = {}
         self._commits = 0
@@ -480,6 +485,20 @@ class HubServer(_HubApi):
     def reset_counts(self) -> None:
         with self._lock:
             self.requests.clear()
+
+    def slow_downloads(self, delay_s: float, times: int = 1) -> None:
+        """The next ``times`` GETs of a file's content (a ``/resolve/`` URL; a HEAD is
+        answered at once) wait ``delay_s`` before they are answered, as a CDN slow to
+        start sending a large file."""
+        with self._lock:
+            self.download_delay_s, self.delayed_downloads = delay_s, times
+
+    def _delays_download(self, path: str) -> bool:
+        with self._lock:
+            if self.delayed_downloads <= 0 or "/resolve/" not in urlsplit(path).path:
+                return False
+            self.delayed_downloads -= 1
+            return True
 
     def become(self, state: str) -> dict[str, str]:
         """Put the Hub in ``state`` as the next client finds it: ``up``, ``offline`` (the
