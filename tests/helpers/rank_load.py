@@ -90,7 +90,9 @@ def die() -> None:
 def main() -> int:
     init, rank, world = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     # "{volume}" in a file's path is this rank's mount of the mirror (RANK_VOLUME).
-    given = os.environ["RANK_FILES"].split(os.pathsep) if "RANK_FILES" in os.environ else sys.argv[4:]
+    given = (
+        os.environ["RANK_FILES"].split(os.pathsep) if "RANK_FILES" in os.environ else sys.argv[4:]
+    )
     files = [f.replace("{volume}", os.environ.get("RANK_VOLUME", "")) for f in given]
     dist.init_process_group(
         "gloo",
