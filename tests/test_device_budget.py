@@ -10,6 +10,7 @@ tensor still holds, and the most it ever held.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -35,10 +36,14 @@ READS = {"span_bytes": "1M", "readers": 4, "direct_io": "off", "progress": False
 
 
 @pytest.fixture
-def device(register_plugin: Any) -> FakeDevice:
+def device(register_plugin: Any) -> Iterator[FakeDevice]:
+    """The stand-in for CUDA devices, its pinned pool kept for the test as the CUDA
+    backend of a device keeps its own: loads reuse its buffers, and a test reads it."""
     fake = FakeDevice(delay_s=0.0)
     register_plugin(FakeDevicePlugin(fake))
-    return fake
+    pool = pool_of(fake)
+    yield fake
+    pool.clear()
 
 
 @pytest.fixture

@@ -12,6 +12,7 @@ from __future__ import annotations
 import errno
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -32,10 +33,14 @@ SMALL = {**STREAMED, "bytes_in_flight": "16K"}
 
 
 @pytest.fixture
-def device(register_plugin: Any) -> FakeDevice:
+def device(register_plugin: Any) -> Iterator[FakeDevice]:
+    """The stand-in for CUDA devices, its pinned pool kept for the test as the CUDA
+    backend of a device keeps its own: loads reuse its buffers, and a test reads it."""
     fake = FakeDevice()
     register_plugin(FakeDevicePlugin(fake))
-    return fake
+    pool = pool_of(fake)
+    yield fake
+    pool.clear()
 
 
 def data_bytes(paths: list[Path]) -> int:

@@ -18,6 +18,7 @@ import threading
 from typing import Any
 
 from loaderplug.devices.backend import CopyEvent
+from loaderplug.devices.pinned import PinnedPool, pool_of
 from loaderplug.errors import LoaderplugError
 
 # Copy streams per device: one is enough for the bandwidth; a few let the copies of
@@ -98,6 +99,9 @@ class CudaBackend:
 
 _lock = threading.Lock()
 _backends: dict[str, CudaBackend] = {}
+# Each device's pinned pool, kept with its backend: pinning costs far more than a load's
+# copies, so every load of the process reuses the buffers.
+_pools: dict[str, PinnedPool] = {}
 
 
 def cuda_backend(device: str) -> CudaBackend | None:
@@ -117,4 +121,5 @@ def cuda_backend(device: str) -> CudaBackend | None:
     with _lock:
         if key not in _backends:
             _backends[key] = CudaBackend(key)
+            _pools[key] = pool_of(_backends[key])
         return _backends[key]

@@ -5,8 +5,11 @@ need page-aligned memory, and an asynchronous host-to-device copy needs page-loc
 memory, so each buffer is an anonymous mapping (page-aligned by construction, exactly
 its size) that the backend pins. Pinning touches and locks every page, which costs far
 more than the copy on a fresh host (8 x 64 MiB took 0.46 s on an H200 VM), so a
-backend's :class:`PinnedPool` lives as long as the process and lends its buffers to
-every file and every load.
+backend's :class:`PinnedPool` lends its buffers to every file and every load for as long
+as something holds it: a load in progress, or the owner of a backend that lives as long
+as the process (the CUDA backend of each device keeps its pool). A pool nothing holds any
+more unpins its buffers, so a plugin that makes a backend per load leaves no page-locked
+memory behind it; the pool of a backend another load is using is that load's too.
 
 The pool holds at most a load's bytes in flight (a single buffer larger than that is
 made when nothing else is pinned): it grows only within that, and when a load asks for
@@ -22,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import mmap
 import threading
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,6 +61,10 @@ class PinnedPool:
         self.lent = 0  # buffers lent and not given back
         self._free: list[tuple[PinnedBuffer, CopyEvent | None]] = []
         self._cond = threading.Condition()
+        # Given the backend and the free list, not the pool, which is gone by then; not at
+        # exit, where the process's end frees the memory and the device runtime may be
+        # torn down already.
+        weakref.finalize(self, _unpin_all, backend, self._free).atexit = False
 
     def take(self, nbytes: int, limit: int, cancel: threading.Event) -> PinnedBuffer:
         """A buffer of at least ``nbytes``, the pool holding at most ``limit`` bytes (with
@@ -129,16 +137,8 @@ class PinnedPool:
 
     def _unpin(self, buffer: PinnedBuffer, event: CopyEvent | None) -> None:
         try:
-            if event is not None:
-                event.synchronize()
-            self.backend.unpin(buffer.host)
+            _unpin(self.backend, buffer, event)
         finally:
-            buffer.host = None
-            buffer.view.release()
-            # A slice still referenced elsewhere (an exception's frames) keeps the
-            # mapping until it dies; it is no longer pinned, nor the pool's.
-            with contextlib.suppress(BufferError):
-                buffer.memory.close()
             self._unreserve(buffer.capacity)
 
     def give(
@@ -155,23 +155,48 @@ class PinnedPool:
     def clear(self) -> None:
         """Unpin every free buffer (lent ones stay with their borrowers)."""
         with self._cond:
-            free, self._free = self._free, []
+            free = list(self._free)
+            self._free.clear()  # the same list: the pool's finalizer holds it
         for buffer, event in free:
             self._unpin(buffer, event)
 
 
+def _unpin(backend: DeviceBackend, buffer: PinnedBuffer, event: CopyEvent | None) -> None:
+    """``buffer`` unpinned once ``event`` completed, and its mapping closed."""
+    try:
+        if event is not None:
+            event.synchronize()
+        backend.unpin(buffer.host)
+    finally:
+        buffer.host = None
+        buffer.view.release()
+        # A slice still referenced elsewhere (an exception's frames) keeps the
+        # mapping until it dies; it is no longer pinned, nor the pool's.
+        with contextlib.suppress(BufferError):
+            buffer.memory.close()
+
+
+def _unpin_all(backend: DeviceBackend, free: list[tuple[PinnedBuffer, CopyEvent | None]]) -> None:
+    """The free buffers of a pool nothing holds any more, unpinned."""
+    while free:
+        _unpin(backend, *free.pop())
+
+
 _pools_lock = threading.Lock()
-_pools: dict[int, tuple[DeviceBackend, PinnedPool]] = {}
+# Pools by their backend's id, while something holds them (see the module doc); a pool
+# holds its backend, so an id stays its backend's for as long as the pool is found here.
+_pools: weakref.WeakValueDictionary[int, PinnedPool] = weakref.WeakValueDictionary()
 
 
 def pool_of(backend: DeviceBackend) -> PinnedPool:
-    """The process's pool for ``backend``, made on first need and kept."""
+    """The pool of ``backend``: the one something holds already (a load in progress,
+    the backend's owner), else a new one. Hold it to keep its buffers across loads."""
     with _pools_lock:
-        found = _pools.get(id(backend))
-        if found is None or found[0] is not backend:
-            found = (backend, PinnedPool(backend))
-            _pools[id(backend)] = found
-        return found[1]
+        pool = _pools.get(id(backend))
+        if pool is None:
+            pool = PinnedPool(backend)
+            _pools[id(backend)] = pool
+        return pool
 
 
 def release_pinned_memory() -> None:
@@ -179,6 +204,6 @@ def release_pinned_memory() -> None:
     loaded its model), which need not keep bytes in flight of page-locked memory. A later
     load pins afresh."""
     with _pools_lock:
-        pools = [pool for _, pool in _pools.values()]
+        pools = list(_pools.values())
     for pool in pools:
         pool.clear()

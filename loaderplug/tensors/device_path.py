@@ -40,6 +40,7 @@ class DevicePath:
         self.device = backend.device if backend is not None else device
         self.backend = backend
         self.pool: PinnedPool | None = pool_of(backend) if backend is not None else None
+        self._pinned_peak_bytes = 0  # the pool's, once let go of
         # Tensor bytes copied host to host on the way to the device (a pageable copy to
         # a device counts: the driver stages it through pinned memory of its own).
         self.host_copied_bytes = 0
@@ -60,12 +61,14 @@ class DevicePath:
     @property
     def pinned_peak_bytes(self) -> int:
         """The most pinned memory the process held (its pool is shared by its loads)."""
-        return self.pool.peak_bytes if self.pool is not None else 0
+        return self.pool.peak_bytes if self.pool is not None else self._pinned_peak_bytes
 
     # -- the pinned path ---------------------------------------------------------------
 
     def take(self, nbytes: int, limit: int, cancel: threading.Event) -> PinnedBuffer:
-        assert self.pool is not None, "a load without a device backend has no pinned pool"
+        assert self.backend is not None, "a load without a device backend has no pinned pool"
+        if self.pool is None:  # let go of at an interrupt the load went on from: taken again
+            self.pool = pool_of(self.backend)
         return self.pool.take(nbytes, limit, cancel)
 
     def give(self, buffer: PinnedBuffer, event: CopyEvent | None = None) -> None:
@@ -73,6 +76,14 @@ class DevicePath:
         copy from it is done)."""
         assert self.pool is not None
         self.pool.give(buffer, event)
+
+    def release(self) -> None:
+        """Let go of the pinned pool, the load being over: one that nothing else holds (a
+        backend made for this load) unpins its buffers now (see
+        :mod:`loaderplug.devices.pinned`)."""
+        if self.pool is not None:
+            self._pinned_peak_bytes = self.pool.peak_bytes
+            self.pool = None
 
     def next_stream(self) -> int:
         """The copy stream of the next buffer: buffers take the streams in turn."""

@@ -37,6 +37,7 @@ class Load(Iterator[tuple[str, "torch.Tensor"]]):
         self._start: Callable[[Load], Pairs] | None = start
         self._stats = stats  # the deprecated way to get the figures: filled at the end
         self._pairs: Pairs | None = None
+        self._at_end: list[Callable[[], None]] = []
         self.report: TransferReport | None = None
         # Seconds from the start of the job (its files listed) to the first tensor.
         self.first_tensor_s: float | None = None
@@ -64,6 +65,16 @@ class Load(Iterator[tuple[str, "torch.Tensor"]]):
         self.device_copied_bytes = path.device_copied_bytes
         self.pinned_peak_bytes = path.pinned_peak_bytes
 
+    def at_end(self, action: Callable[[], None]) -> None:
+        """Run ``action`` once the load is over: exhausted, failed or closed. What it
+        lets go of is freed then, not whenever the load's objects, which refer to each
+        other, are collected."""
+        self._at_end.append(action)
+
+    def _over(self) -> None:
+        while self._at_end:
+            self._at_end.pop()()
+
     def __iter__(self) -> Load:
         return self
 
@@ -75,6 +86,7 @@ class Load(Iterator[tuple[str, "torch.Tensor"]]):
         try:
             return next(self._pairs)
         except StopIteration:
+            self._over()
             if self._stats is not None:
                 self._stats.update(
                     report=self.report, first_tensor_s=self.first_tensor_s, io=self.io_modes
@@ -84,6 +96,9 @@ class Load(Iterator[tuple[str, "torch.Tensor"]]):
                 if self.hosts is not None:
                     self._stats.update(hosts=self.hosts)
             raise
+        except BaseException:
+            self._over()
+            raise
 
     def close(self) -> None:
         """Stop early: the reading stops and every unfinished file is cleaned up."""
@@ -91,6 +106,7 @@ class Load(Iterator[tuple[str, "torch.Tensor"]]):
         close = getattr(self._pairs, "close", None)
         if close is not None:
             close()
+        self._over()
 
     def __del__(self) -> None:
         self.close()

@@ -68,6 +68,7 @@ def iter_tensors(
 
     def start(load: Load) -> Pairs:
         path = device_path_for(device, job_settings)  # the one place the device is decided
+        load.at_end(path.release)
         settings = within_device_budget(path, job_settings)
         world = world_of(group, settings, local_dir)
         share = share_for(world, settings)
