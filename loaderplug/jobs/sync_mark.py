@@ -201,7 +201,7 @@ class SyncMark(contextlib.AbstractContextManager["SyncMark"]):
                     return
             except Cancelled:
                 return
-            except MirrorError:
+            except (MirrorError, OSError):
                 continue
 
     def _refresh(self) -> bool:
@@ -209,7 +209,7 @@ class SyncMark(contextlib.AbstractContextManager["SyncMark"]):
         if self._own(cancel=self._stop) is None:
             return False
         try:
-            retrying(lambda: os.utime(self.path), self.retry, _cannot_read(self.path))
+            retrying(lambda: os.utime(self.path), self.retry, _as_os_error)
         except FileNotFoundError:
             return False
         return True
@@ -271,7 +271,8 @@ class SyncMark(contextlib.AbstractContextManager["SyncMark"]):
 
 
 def _as_os_error(exc: OSError, attempts: int | None) -> OSError:
-    """The error a write of the mark gives up with: the last one, as the caller knows it."""
+    """The error a write or a touch of the mark gives up with: the last one, as the
+    caller knows it."""
     return OSError(exc.errno, exc.strerror, exc.filename)
 
 
