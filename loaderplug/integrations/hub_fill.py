@@ -82,7 +82,7 @@ class _Publishing:
 _seen: set[tuple[str, ...]] = set()  # offers handed over (one per repo, cache, commit)
 _offered: set[tuple[Path, str]] = set()  # commits taken up by the fill thread
 _pending: list[_Offer] = []
-_busy = False  # the fill thread is working on one
+_taking: _Offer | None = None  # the offer the fill thread is working on
 _publishing: _Publishing | None = None
 _cond = threading.Condition()
 _worker: threading.Thread | None = None
@@ -125,7 +125,7 @@ def wait(timeout_s: float | None = None) -> bool:
     passed; whether it is all done."""
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     with _cond:
-        while _pending or _busy:
+        while _pending or _taking is not None:
             left = 0.1 if deadline is None else min(0.1, deadline - time.monotonic())
             if left <= 0:
                 return False
@@ -144,19 +144,24 @@ def _wait_at_exit() -> None:
     if wait(wait_s):
         return
     with _cond:
-        publishing, pending = _publishing, [o.options["repo_id"] for o in _pending]
+        publishing, taking = _publishing, _taking
+        pending = [o.options["repo_id"] for o in _pending]
     log.warning(
         "loaderplug: exiting before the mirror was filled from the local cache "
         "(waited %g s, LOADERPLUG_FILL_EXIT_WAIT_S): %s; no file of it is published "
         "partially, and the next worker that finds it in its cache fills it",
         wait_s,
-        _left_unpublished(publishing, pending),
+        _left_unpublished(publishing, taking, pending),
     )
 
 
-def _left_unpublished(publishing: _Publishing | None, pending: list[str]) -> str:
+def _left_unpublished(
+    publishing: _Publishing | None, taking: _Offer | None, pending: list[str]
+) -> str:
     """What an exit leaves unpublished, for the warning that says so."""
     parts = []
+    if publishing is None and taking is not None:
+        parts.append(f"{taking.options['repo_id']} is not published (still being looked at)")
     if publishing is not None:
         files = list(publishing.files)
         shown = ", ".join(files[:5]) + (f" and {len(files) - 5} more" if len(files) > 5 else "")
@@ -167,16 +172,16 @@ def _left_unpublished(publishing: _Publishing | None, pending: list[str]) -> str
         )
     if pending:
         parts.append(f"{len(pending)} offer(s) not looked at ({', '.join(map(str, pending))})")
-    return "; ".join(parts) or "the fill was about to end"
+    return "; ".join(parts)
 
 
 def _forget_in_child() -> None:
     """In a forked child: none of the parent's fill. Its thread is not there; its offers
     and exit wait are the parent's, and waiting at the child's exit for that thread would
     wait for good. The lock may have been held by a parent's thread at the fork: a new one."""
-    global _busy, _cond, _publishing, _worker
+    global _cond, _publishing, _taking, _worker
     _pending.clear()
-    _busy, _publishing, _worker = False, None, None
+    _publishing, _taking, _worker = None, None, None
     _cond = threading.Condition()
     atexit.unregister(_wait_at_exit)
 
@@ -185,13 +190,13 @@ os.register_at_fork(after_in_child=_forget_in_child)
 
 
 def _fill_offered() -> None:
-    global _busy
+    global _taking
     while True:
         with _cond:
             while not _pending:
                 _cond.wait()
             offered = _pending.pop(0)
-            _busy = True
+            _taking = offered
         try:
             _take_up(offered)
         except Exception as exc:  # the call was answered: the mirror's fill is a bonus
@@ -206,7 +211,7 @@ def _fill_offered() -> None:
             )
         finally:
             with _cond:
-                _busy = False
+                _taking = None
                 _cond.notify_all()
 
 
