@@ -35,6 +35,7 @@ from loaderplug.types import (
     DirectIO,
     Distributed,
     HostSplit,
+    Owned,
     RankSharing,
     WeightsDevice,
     WeightsReader,
@@ -236,6 +237,21 @@ class Settings:
         "auto",
         "O_DIRECT reads: auto (measured per mount, else by filesystem type), on, or off.",
         choices=get_args(DirectIO),
+    )
+    owned: Owned = _setting(
+        "choice",
+        "auto",
+        "Whether a load's tensors own their bytes or are views of a mapping of the file "
+        "(as safetensors.torch.load_file's are). auto: a file in memory (page cache, "
+        "tmpfs) that stays put is mapped, the fastest: loaderplug's own local copies and "
+        "a user's files on a local filesystem, which can then kill the process (SIGBUS) "
+        "if truncated while their tensors live, as with safetensors; a file that can "
+        "change under the load (a network or FUSE volume, the mirror) and a cold file "
+        "are read into memory of the load's own. on: every file is read into memory of "
+        "the load's own (safe whatever happens to the file; a warm file costs a copy). "
+        "off: every file read in place on the CPU is mapped, wherever it lives (at the "
+        "user's risk). Ranks sharing a load follow LOADERPLUG_RANK_SHARING instead.",
+        choices=get_args(Owned),
     )
     weights_reader: WeightsReader = _setting(
         "choice",

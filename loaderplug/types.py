@@ -26,6 +26,7 @@ WeightsDevice = Literal["auto", "cpu", "model"]
 Distributed = Literal["auto", "off"]
 HostSplit = Literal["auto", "on", "off"]
 RankSharing = Literal["auto", "pagecache", "broadcast", "stream"]
+Owned = Literal["auto", "on", "off"]
 MirrorKind = Literal["hub", "folder"]
 
 

@@ -136,9 +136,14 @@ def _load_slowly(paths: list[Path], budget: str) -> tuple[int, int]:
     if filesystem_type(paths[0].parent) in MEMORY_TYPES:
         pytest.skip("files in memory are mapped, not read: no budget to measure")
     for path in paths:
-        drop_from_page_cache(path)  # read into memory, not mapped from the page cache
+        drop_from_page_cache(path)  # cold and owned: read by the engine, not mapped
     settings = from_env(
-        bytes_in_flight=budget, span_bytes="4M", readers=8, direct_io="off", progress=False
+        bytes_in_flight=budget,
+        span_bytes="4M",
+        readers=8,
+        direct_io="off",
+        owned="on",
+        progress=False,
     )
     plan = load_plan(paths, DevicePath("cpu", None), settings)
     assert isinstance(plan.delivery, TensorDelivery)

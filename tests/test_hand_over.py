@@ -73,14 +73,16 @@ def test_mapped_files_free_each_dropped_tensor_at_once(model: list[Path]) -> Non
     assert all(mode.startswith("mapped") for mode in load.io_modes.values()), load.io_modes
 
 
-def test_files_read_here_free_each_dropped_tensor_at_once(model: list[Path]) -> None:
+def test_owned_files_read_without_the_engine_free_each_dropped_tensor_at_once(
+    model: list[Path],
+) -> None:
     for path in model:
-        path.read_bytes()  # in the page cache: read in the consumer's thread
-    load = iter_tensors(model, direct_io="off", progress=False)
+        path.read_bytes()  # in the page cache, owned: read by the process's readers
+    load = iter_tensors(model, owned="on", bytes_in_flight="16M", progress=False)
     taken, grown = drop_each(load)
     assert taken == SHARDS * PER_SHARD
     assert grown < SHARDS * PER_SHARD * TENSOR_BYTES // 2, grown
-    assert all(m.startswith("read in the consumer") for m in load.io_modes.values())
+    assert all(m.startswith("read by the process's readers") for m in load.io_modes.values())
 
 
 def test_tensors_read_in_place_free_each_dropped_tensor_at_once(model: list[Path]) -> None:
@@ -129,7 +131,14 @@ def test_through_the_page_cache_each_tensor_is_a_mapping_of_the_file(
     # Read in place, the files are own local copies: only those are ever mapped.
     own = str(tmp_path / "copies" if one_pass else model[0].parent)
     settings = from_env(direct_io="off", bytes_in_flight="16M", progress=False, local_copies=own)
-    plan = load_plan(model, DevicePath("cpu", None), settings, local, through_page_cache=True)
+    plan = load_plan(
+        model,
+        DevicePath("cpu", None),
+        settings,
+        local,
+        through_page_cache=True,
+        shared_by_ranks=True,
+    )
     runner = Runner(plan, settings)
     held = dict(TensorsOf(runner.run()))  # the budget (16 MiB) is less than the model
     maps = mapped_files()

@@ -147,12 +147,14 @@ def file_mappings() -> list[tuple[int, int]]:
     return found
 
 
-def test_a_users_file_in_the_page_cache_is_read_here_never_mapped(shards: list[Path]) -> None:
-    """Someone may shrink a user's file under a mapping of it (a SIGBUS then): its
-    tensors are read into the load's own memory, by the consumer's own thread."""
+def test_an_owned_load_reads_a_users_file_in_the_page_cache_never_maps_it(
+    shards: list[Path],
+) -> None:
+    """With LOADERPLUG_OWNED=on no one can shrink a file under its tensors (a SIGBUS
+    then): they are read into the load's own memory, with no engine to hand them over."""
     for p in shards:
         p.read_bytes()  # warm
-    load = iter_tensors(shards, progress=False)
+    load = iter_tensors(shards, progress=False, owned="on")
     got = dict(load)
     assert all(m.startswith("read in the consumer's thread") for m in load.io_modes.values())
     maps = file_mappings()

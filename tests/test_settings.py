@@ -111,6 +111,19 @@ def test_bad_choice() -> None:
     )
 
 
+@pytest.mark.parametrize(("raw", "owned"), [("", "auto"), ("on", "on"), (" OFF ", "off")])
+def test_owned_is_auto_on_or_off(raw: str, owned: str) -> None:
+    assert from_env({"LOADERPLUG_OWNED": raw}).owned == owned
+
+
+def test_a_bad_owned_names_the_choices() -> None:
+    with pytest.raises(SettingsError) as info:
+        from_env({"LOADERPLUG_OWNED": "always"})
+    assert str(info.value) == (
+        "LOADERPLUG_OWNED='always' is invalid: expected one of auto, on, off"
+    )
+
+
 def test_unknown_variable_warns_with_the_closest_name() -> None:
     with pytest.warns(UserWarning) as record:
         from_env({"LOADERPLUG_HYDRATE_WORKER": "4"})

@@ -52,6 +52,28 @@ _MAGIC_TO_TYPE = {
 
 MEMORY_TYPES = frozenset({"tmpfs", "ramfs"})
 
+# Filesystems of this machine's own disks and memory: no other host writes a file there,
+# so a file changes only as a process here changes it. Any other type (a network or
+# cluster filesystem, FUSE, one this list does not know) may change under a reader.
+LOCAL_TYPES = frozenset(
+    {
+        "ext2",
+        "ext3",
+        "ext4",
+        "xfs",
+        "btrfs",
+        "f2fs",
+        "zfs",
+        "bcachefs",
+        "jfs",
+        "reiserfs",
+        "overlay",
+        "squashfs",
+        "erofs",
+        *MEMORY_TYPES,
+    }
+)
+
 
 @dataclass(frozen=True)
 class Mount:
@@ -177,6 +199,11 @@ def nearest_existing(path: str) -> str:
 
 def is_buffered_type(fs_type: str) -> bool:
     return fs_type in BUFFERED_TYPES or fs_type.startswith("fuse.")
+
+
+def is_local_type(fs_type: str) -> bool:
+    """A filesystem of this machine's own disks or memory (see :data:`LOCAL_TYPES`)."""
+    return fs_type in LOCAL_TYPES
 
 
 def is_network_type(fs_type: str) -> bool:

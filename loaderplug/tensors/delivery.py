@@ -3,15 +3,18 @@ load, and the consumer's side of it.
 
 For each file the runner plans, :class:`TensorDelivery` reads its header (two small
 reads, retried like any read) and gives the runner a tensor sink for it, or serves it
-itself in the consumer's thread: a small file, or one in memory already (tmpfs, or
-mostly in the page cache), is read there into memory of the load's own, with no thread
-to hand its tensors over; one of loaderplug's own published local copies in memory is
-handed over as tensors over a mapping of it. No other file is ever mapped: a tensor
-over a mapping of a file that someone shrinks kills the process that touches it
-(SIGBUS), and only loaderplug's own copies are promised never to be rewritten in place
-(docs/guarantees.md). While the engine runs on a thread of its own, :class:`HandOver`
-gives the consumer each tensor the moment a sink emits it, then tells of each file once
-it is done.
+itself in the consumer's thread. A file in memory already (tmpfs, or mostly in the page
+cache) that stays put while the load lives is handed over as tensors over a mapping of
+it, as safetensors does: loaderplug's own published local copies, and with
+``LOADERPLUG_OWNED=auto`` a user's file on a local filesystem
+(:mod:`loaderplug.tensors.map_rule` says which, and why). A file that can change under
+the load (a network or FUSE volume, the mirror) is never mapped unless
+``LOADERPLUG_OWNED=off``: a tensor over a mapping of a file someone shrinks kills the
+process that touches it (SIGBUS; docs/guarantees.md). A small file, or one in memory
+that is not mapped, is read into memory of the load's own by the process's readers
+(:mod:`loaderplug.tensors.owned_reads`), with no engine. While the engine runs on a
+thread of its own, :class:`HandOver` gives the consumer each tensor the moment a sink
+emits it, then tells of each file once it is done.
 
 The hand-over is made of iterator objects, not generator functions: a suspended
 generator keeps its locals, and a tensor the consumer has dropped must be freed then,
@@ -21,11 +24,10 @@ and the consumer keeps a reference to a tensor handed over.
 
 from __future__ import annotations
 
-import os
 import queue
 import threading
 import time
-from collections.abc import Callable, Generator, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 from types import TracebackType
@@ -37,7 +39,6 @@ from loaderplug.engine.retry import RetryPolicy, retrying
 from loaderplug.engine.sinks import Sink
 from loaderplug.engine.sizing import default_sizing
 from loaderplug.errors import FileError, LoaderplugError
-from loaderplug.jobs.file_sink import is_temp_name
 from loaderplug.jobs.partial import partial_for
 from loaderplug.jobs.plan import FileEntry
 from loaderplug.settings import Settings
@@ -48,13 +49,15 @@ from loaderplug.tensors.device_path import DevicePath
 from loaderplug.tensors.device_sink import DeviceTensorSink
 from loaderplug.tensors.header import Header
 from loaderplug.tensors.header_reads import read_header
+from loaderplug.tensors.map_rule import MapRule
+from loaderplug.tensors.owned_reads import STEP, FileReads, ReadTensors, gives_up
+from loaderplug.tensors.readers import prefetch
 from loaderplug.tensors.sinks import (
     MappedTensors,
     PageCacheTensorSink,
-    ReadTensors,
     TensorSink,
 )
-from loaderplug.types import FileResult, IOPolicy, Source
+from loaderplug.types import FileResult, IOPolicy
 from loaderplug.units import MiB
 
 
@@ -98,8 +101,8 @@ class HereFile:
 
 
 class TensorDelivery:
-    """A load's delivery (see :class:`loaderplug.jobs.plan.Delivery`). ``own_copies``:
-    the folders of loaderplug's own published local copies, the only files it maps."""
+    """A load's delivery (see :class:`loaderplug.jobs.plan.Delivery`). ``map_rule``:
+    which files in memory it maps (see :mod:`loaderplug.tensors.map_rule`)."""
 
     served_as = "mapped"
 
@@ -110,7 +113,7 @@ class TensorDelivery:
         *,
         may_map: bool = True,
         through_page_cache: bool = False,
-        own_copies: Sequence[Path] = (),
+        map_rule: MapRule = MapRule(),  # noqa: B008 - frozen, so a shared default is safe
     ) -> None:
         self.device = device
         self.retry = RetryPolicy.of(settings)
@@ -124,9 +127,9 @@ class TensorDelivery:
         self.staged = device.backend is not None
         self.may_map = may_map and device.on_host
         self.serves_here = may_map and not self.staged
-        # A file smaller than this is read in the consumer's thread, whatever its cache.
+        # A file smaller than this is read without the engine, whatever its cache.
         self.small_file = min(settings.split_threshold_bytes, SMALL_FILE)
-        self._own_copies = tuple(_real(p) for p in own_copies)
+        self.map_rule = map_rule
         # Ranks sharing a host's page cache: files are read into it (or, in a one pass,
         # written to the copy through it) and handed over as mappings of it (see
         # PageCacheTensorSink), outside the budget.
@@ -173,31 +176,44 @@ class TensorDelivery:
     def _serve_here(
         self, entry: FileEntry, policy: IOPolicy, header: Header, open_source: Opener
     ) -> bool:
-        """Serve the file in the consumer's thread if it is small or in memory already
-        (mapped if it is an own local copy); :attr:`served_as` says how."""
+        """Serve the file in the consumer's thread: mapped where the load's rule says
+        (a cold one with its pages asked for ahead of the consumer), else read without
+        the engine if it is small or in memory already; :attr:`served_as` says how."""
         in_memory = self._in_memory(policy, entry.source)
-        if in_memory and self.may_map and self.is_own_copy(entry.source):
-            self.served_as = "mapped"
+        why = self.map_rule.why_mapped(entry.source, policy, in_memory) if self.may_map else None
+        if why is not None:
+            self.served_as = f"mapped, {why}"
+            if not in_memory:
+                prefetch(str(entry.source), entry.identity.size)
             self.served_here.append(
                 HereFile(entry.rel, header, "mapped", lambda: MappedTensors(header))
             )
             return True
         if not self.serves_here or not (in_memory or entry.identity.size < self.small_file):
             return False
-        self.served_as = "read in the consumer's thread"
-        reads = _Reads(self, entry, policy, open_source)
-        self.served_here.append(
-            HereFile(entry.rel, header, "loaded", lambda: reads.tensors(header))
+        reads = FileReads(entry, policy, open_source, self.retry)
+        self.served_as = (
+            "read in the consumer's thread"
+            if header.size <= STEP
+            else "read by the process's readers"
         )
+
+        def tensors() -> ReadTensors:
+            return ReadTensors(
+                header,
+                self.device,
+                reads,
+                ahead=self.budget.limit,
+                on_close=lambda: self._count(reads),
+            )
+
+        self.served_here.append(HereFile(entry.rel, header, "loaded", tensors))
         return True
 
-    def is_own_copy(self, path: Path) -> bool:
-        """Whether ``path`` is one of loaderplug's own published local copies, which
-        nothing rewrites in place: a copy is replaced by a rename, never truncated."""
-        if not self._own_copies or is_temp_name(path.name):
-            return False
-        real = _real(path)
-        return any(real.is_relative_to(folder) for folder in self._own_copies)
+    def _count(self, reads: FileReads) -> None:
+        """A file read without the engine is done: its reads count in the load's."""
+        self.retries += reads.retries
+        self.bytes_read_here += reads.bytes_read
 
     def _shared_pages(self, entry: FileEntry, policy: IOPolicy) -> str | None:
         """With :attr:`through_page_cache`, the file whose page cache the tensors are to
@@ -209,15 +225,15 @@ class TensorDelivery:
             return None
         if entry.copy_to is not None:
             return str(partial_for(entry.copy_to))
-        if self._buffered(policy) and self.is_own_copy(entry.source):
+        if self._buffered(policy) and self.map_rule.is_own_copy(entry.source):
             return str(entry.source)
         return None
 
     def _in_memory(self, policy: IOPolicy, path: Path) -> bool:
         """Whether the file's bytes are in memory already (tmpfs, or a local file mostly
         in the page cache): they are then read, or mapped, faster than the engine's
-        threads hand them over. A file that is not is read by the engine, whatever the
-        policy: a mapping's first touches would read it a page fault at a time."""
+        threads hand them over. A file that is not is read by the engine, or mapped
+        with its pages asked for ahead (see :mod:`loaderplug.tensors.map_rule`)."""
         if not self._buffered(policy):
             return False
         if policy.fs_type in MEMORY_TYPES:
@@ -248,7 +264,7 @@ class TensorDelivery:
             finally:
                 source.close()
 
-        header, retries = retrying(read, self.retry, _gives_up(path, "reading the header"))
+        header, retries = retrying(read, self.retry, gives_up(path, "reading the header"))
         self.retries += retries
         return header
 
@@ -288,58 +304,10 @@ class TensorDelivery:
             budget.release(event.tensor.untyped_storage().nbytes())
 
 
-# Files under this size are read in the consumer's thread (see TensorDelivery), unless
-# the split threshold is smaller: waking a reader and handing its tensors back costs
-# more than the read.
+# Files under this size are read without the engine (see TensorDelivery), unless the
+# split threshold is smaller: starting the engine's threads and handing its tensors back
+# costs more than the read.
 SMALL_FILE = 8 * MiB
-
-
-def _real(path: Path) -> Path:
-    return Path(os.path.realpath(path))
-
-
-class _Reads:
-    """A file read in the consumer's thread: its source opened at the first read, each
-    read retried like the engine's and followed by a check that the file is still the
-    one listed."""
-
-    def __init__(
-        self, delivery: TensorDelivery, entry: FileEntry, policy: IOPolicy, open_source: Opener
-    ) -> None:
-        self._delivery, self._entry, self._policy = delivery, entry, policy
-        self._open_source = open_source
-        self._source: Source | None = None
-
-    def tensors(self, header: Header) -> ReadTensors:
-        return ReadTensors(header, self._delivery.device, self.read, on_close=self.close)
-
-    def read(self, view: memoryview, offset: int) -> int:
-        path, delivery = str(self._entry.source), self._delivery
-
-        def attempt() -> int:
-            if self._source is None:
-                self._source = self._open_source(path, self._policy)
-            try:
-                got = self._source.pread_into(view, offset)
-                now = self._source.identity()
-            except OSError:
-                self.close()  # the next attempt opens it again
-                raise
-            if not now.matches(self._entry.identity, inode=self._policy.stable_inodes):
-                raise FileError(
-                    f"{path}: changed while it was read (now {now.describe()})", path=path
-                )
-            return got
-
-        got, retries = retrying(attempt, delivery.retry, _gives_up(path, "reading it"))
-        delivery.retries += retries
-        delivery.bytes_read_here += min(got, len(view))
-        return got
-
-    def close(self) -> None:
-        source, self._source = self._source, None
-        if source is not None:
-            source.close()
 
 
 class HandOver(Generator[Event, None, "EngineStats | None"]):
@@ -560,15 +528,3 @@ class TensorsOf(Iterator[tuple[str, Any]]):
     def __next__(self) -> tuple[str, Any]:
         event = next(self._ready)
         return event.name, event.tensor
-
-
-def _gives_up(path: str, reading: str) -> Callable[[OSError, int | None], FileError]:
-    """The error a read of ``path`` ends with once its retries are spent."""
-
-    def give_up(exc: OSError, attempts: int | None) -> FileError:
-        tries = f" after {attempts} attempts" if attempts else ""
-        return FileError(
-            f"{path}: {reading} failed{tries}: {exc.strerror or exc}", path=path, errno=exc.errno
-        )
-
-    return give_up

@@ -21,6 +21,7 @@ from loaderplug.settings import Settings
 from loaderplug.storage.mounts import filesystem_type, is_network_type
 from loaderplug.tensors.delivery import TensorDelivery
 from loaderplug.tensors.device_path import DevicePath
+from loaderplug.tensors.map_rule import MapRule
 
 
 def load_plan(
@@ -31,13 +32,16 @@ def load_plan(
     *,
     lock_each_file: bool = False,
     through_page_cache: bool = False,
+    shared_by_ranks: bool = False,
 ) -> Plan:
     """The plan of a load: each file read in place, or with ``local_dir`` hydrated there
     (same name) in the same pass, under that folder's lock (with ``lock_each_file``,
     under a lock per file instead). With ``through_page_cache`` (ranks of a host that
     share its page cache) each file is read, or in a one pass written to its copy,
     through the page cache, and its tensors are views of it; not where the copies go to
-    a network filesystem, whose pages other processes cannot share."""
+    a network filesystem, whose pages other processes cannot share. Which files in
+    memory are mapped is the load's :class:`~loaderplug.tensors.map_rule.MapRule`
+    (``shared_by_ranks``: the ranks' own, which maps only own local copies)."""
     files = [Path(p) for p in paths]
     local = Path(local_dir) if local_dir is not None else None
     if local is not None and is_network_type(filesystem_type(local)):
@@ -69,8 +73,7 @@ def load_plan(
             device,
             settings,
             through_page_cache=through_page_cache,
-            # The folders loaderplug publishes its copies in: only their files are mapped.
-            own_copies=(settings.local_models_dir, *([local] if local is not None else [])),
+            map_rule=MapRule.of(settings, local, shared_by_ranks=shared_by_ranks),
         ),
     )
 

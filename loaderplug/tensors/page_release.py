@@ -33,10 +33,15 @@ class PageReleaser:
     Pages are counted only where they are shared: the first and last page of every
     tensor, and every page holding bytes no tensor owns (the header, gaps, the padding
     past the end), which belong to the file as a whole until :meth:`release_rest`.
+    The file's byte 0 is at ``base`` in the mapping (a page boundary: an arena starts
+    at a huge page's, see :mod:`loaderplug.tensors.arena`).
     """
 
-    def __init__(self, mapping: mmap.mmap, header: Header, mapped_size: int) -> None:
+    def __init__(self, mapping: mmap.mmap, header: Header, mapped_size: int, base: int = 0) -> None:
+        if base % PAGE:
+            raise ValueError(f"a file's bytes must start at a page boundary, not at {base}")
         self.mapping = mapping
+        self._base = base
         self._lock = threading.Lock()
         self._shared: dict[int, int] = {}
         self._others: list[tuple[int, int]] = []  # the file's own bytes: (begin, end)
@@ -59,7 +64,7 @@ class PageReleaser:
     def tensor(self, t: TensorInfo, on_release: Callable[[], None] | None = None) -> Any:
         """A handle on ``t``'s bytes for ``torch.frombuffer``; when it dies its pages go
         back (and ``on_release`` runs)."""
-        handle = (ctypes.c_char * t.nbytes).from_buffer(self.mapping, t.begin)
+        handle = (ctypes.c_char * t.nbytes).from_buffer(self.mapping, self._base + t.begin)
         weakref.finalize(handle, self._tensor_died, t.begin, t.end, on_release)
         return handle
 
@@ -88,7 +93,7 @@ class PageReleaser:
         start = first if ends[first] else first + 1
         stop = last + 1 if ends[last] else last
         if stop > start:
-            _dontneed(self.mapping, start * PAGE, (stop - start) * PAGE)
+            _dontneed(self.mapping, self._base + start * PAGE, (stop - start) * PAGE)
 
 
 def _dontneed(mapping: mmap.mmap, start: int, length: int) -> None:

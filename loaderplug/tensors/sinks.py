@@ -1,19 +1,18 @@
 """Tensor sinks: a file's landed ranges become tensors, each handed over once complete.
 
-:class:`TensorSink` assembles a file's bytes in host memory (a load to a device with a
-backend has its own sink, :mod:`loaderplug.tensors.device_sink`);
-:class:`PageCacheTensorSink` lets the page cache hold
-a file's bytes and hands over mappings of them. :class:`ReadTensors` reads a file in the
-consumer's own thread (a small file, or one in memory already) into memory of its own;
-:class:`MappedTensors` serves one of loaderplug's own published local copies that is in
-memory already over a private mapping, as safetensors does (never any other file: a
-file someone shrinks under a mapping kills the process that touches it).
+:class:`TensorSink` assembles a file's bytes in memory of the load's own (a load to a
+device with a backend has its own sink, :mod:`loaderplug.tensors.device_sink`), whoever
+reads them: the engine, or the readers of :mod:`loaderplug.tensors.owned_reads`.
+:class:`PageCacheTensorSink` lets the page cache hold a file's bytes and hands over
+mappings of them. :class:`MappedTensors` serves a file in memory already over a private
+mapping, as safetensors does, where the load's rule says the file stays put
+(:mod:`loaderplug.tensors.map_rule`: a file someone shrinks under a mapping kills the
+process that touches it).
 """
 
 from __future__ import annotations
 
 import bisect
-import collections
 import itertools
 import mmap
 import os
@@ -24,26 +23,19 @@ from typing import TYPE_CHECKING, Any
 from loaderplug.engine.reading import READ_PADDING
 from loaderplug.engine.retry import Cancelled
 from loaderplug.errors import FormatError, LoaderplugError
+from loaderplug.tensors.arena import Arena
 from loaderplug.tensors.budget import MemoryBudget
 from loaderplug.tensors.dtypes import DTYPES
 from loaderplug.tensors.header import Header, TensorInfo
 from loaderplug.tensors.page_release import PageReleaser
-from loaderplug.units import MiB
 
 if TYPE_CHECKING:
     import torch
-
     from loaderplug.tensors.device_path import DevicePath
 
 
 # Hands a finished tensor on: its name and the tensor.
 Emit = Callable[[str, Any], None]
-# Fills a buffer from a file at an offset: the bytes read (fewer only at its end).
-ReadInto = Callable[[memoryview, int], int]
-# How much a consumer's thread reads of a file at once: a small file in one read, a
-# bigger one in steps, so a consumer that drops each tensor holds a step, not the file
-# (a multiple of every O_DIRECT alignment).
-OWN_READ_STEP = 8 * MiB
 
 
 def torch_module() -> Any:
@@ -157,9 +149,10 @@ class TensorSink(_CoveredSink):
     """Assembles a file's tensors in host memory; emits each once complete, and gives its
     memory back when its consumer drops it.
 
-    The file's bytes land in one page-aligned anonymous mapping per file, at their file
-    offsets: the engine reads ranges straight into it (:meth:`place`) or, when it staged
-    them elsewhere, :meth:`write` copies them in. A finished tensor is a view of that
+    The file's bytes land in one arena per file (:mod:`loaderplug.tensors.arena`: on
+    huge pages where the kernel gives them), at their file offsets: the engine reads
+    ranges straight into it (:meth:`place`) or, when it staged them elsewhere,
+    :meth:`write` copies them in. A finished tensor is a view of that
     mapping, which is never reused; its pages are returned to the kernel once the
     tensor's storage dies (see :mod:`loaderplug.tensors.page_release`), so a consumer
     that drops each tensor holds a window of the file, never all of it. With a
@@ -191,10 +184,10 @@ class TensorSink(_CoveredSink):
     def prepare(self) -> None:
         # Room past the end for the last range's read, padded to the O_DIRECT alignment.
         size = self.header.size + READ_PADDING
-        # Private: a page given back (MADV_DONTNEED) is freed, not kept by a shared object.
-        self._mapping = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        self._pages = PageReleaser(self._mapping, self.header, size)
-        self._view = memoryview(self._mapping)
+        arena = Arena(size)
+        self._mapping = arena.mapping
+        self._pages = PageReleaser(arena.mapping, self.header, size, base=arena.base)
+        self._view = arena.view
         for t in self.header.tensors:
             if not t.nbytes:
                 self._deliver(t)
@@ -380,77 +373,3 @@ class MappedTensors:
 
     def __del__(self) -> None:
         self.close()
-
-
-class ReadTensors:
-    """Every tensor of a file, in file order, read by the consumer's own thread into
-    memory of the load's own (a :class:`TensorSink`'s), a step of
-    :data:`OWN_READ_STEP` bytes at a time, each byte once: no thread hands anything
-    over, and no tensor depends on the file once it is read. ``read`` fills a buffer
-    from the file, at offsets and lengths aligned for O_DIRECT.
-
-    An iterator object, like :class:`MappedTensors`: nothing of it refers to a tensor
-    it handed over."""
-
-    def __init__(
-        self,
-        header: Header,
-        path: DevicePath,
-        read: ReadInto,
-        on_close: Callable[[], None] | None = None,
-    ) -> None:
-        self.header = header
-        self._read = read
-        self._on_close = on_close  # once the file is read, or left
-        self._ready: collections.deque[tuple[str, Any]] = collections.deque()
-        self._sink: TensorSink | None = TensorSink(
-            header, path, lambda name, tensor: self._ready.append((name, tensor))
-        )
-        self._sink.prepare()  # its empty tensors are ready at once
-        self._offset = 0
-
-    def __iter__(self) -> ReadTensors:
-        return self
-
-    def __next__(self) -> tuple[str, Any]:
-        while not self._ready and self._sink is not None:
-            if self._offset >= self.header.size:
-                sink, self._sink = self._sink, None
-                self._closed()
-                sink.commit()
-                break
-            self._read_step(self._sink)
-        if not self._ready:
-            raise StopIteration
-        return self._ready.popleft()
-
-    def _read_step(self, sink: TensorSink) -> None:
-        offset, size = self._offset, self.header.size
-        length = min(OWN_READ_STEP, size - offset)
-        # Padded for O_DIRECT: the sink has room past the file's end for the padding.
-        padded = -(-length // READ_PADDING) * READ_PADDING
-        view = sink.place(offset, padded, _NEVER_CANCELLED)
-        got = self._read(view, offset)
-        if got < length:
-            raise FormatError(
-                f"{self.header.path}: ended at {offset + got} bytes, inside its tensors "
-                f"(the header says {size})"
-            )
-        self._offset = offset + length
-        sink.write(view[:length], offset)
-
-    def close(self) -> None:
-        """Stop early: the file's memory not held by a tensor handed over goes back."""
-        self._ready.clear()
-        sink, self._sink = self._sink, None
-        if sink is not None:
-            self._closed()
-            sink.abort()
-
-    def _closed(self) -> None:
-        on_close, self._on_close = self._on_close, None
-        if on_close is not None:
-            on_close()
-
-
-_NEVER_CANCELLED = threading.Event()

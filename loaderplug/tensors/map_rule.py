@@ -1,0 +1,106 @@
+"""Which files a load hands over as tensors over a mapping of the file, and why.
+
+A mapping is the fastest way to tensors of a file read through the page cache: they
+share the page cache's pages, no byte is copied and no fresh memory is zeroed
+(``safetensors.torch.load_file`` maps every file). Its price: a tensor over a mapping of
+a file that someone truncates kills the process that touches it (SIGBUS). So, with
+``LOADERPLUG_OWNED=auto``, a load maps a file only where it stays put while the load
+and its tensors live:
+
+- loaderplug's own published local copies, which nothing rewrites in place (a copy is
+  replaced by a rename, never truncated);
+- a user's file on a local filesystem (:data:`~loaderplug.storage.mounts.LOCAL_TYPES`):
+  only a process of this machine changes it, and the guarantee is stock safetensors'
+  (a file truncated under its tensors can kill the process).
+
+and only where it is read through the page cache: in memory already (page cache,
+tmpfs), or cold on a mount where buffered reads are as fast as direct ones (the IO
+policy says so; the readers then ask for its pages ahead of the consumer's touches). A
+cold file the policy reads with O_DIRECT is read into memory of the load's own, at the
+disk's speed. So is every file that can change under the load: one on a network,
+cluster or FUSE filesystem (another host, or a server, may change it at any time), one
+of the mirror (a sync rewrites it), a file being written (a temp name). ``on`` owns
+every file; ``off`` maps every file a load reads in place, wherever it lives.
+
+Ranks sharing a load keep the rule they had: only own local copies in memory are
+mapped; the rest reaches the other ranks as their sharing mode says.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from loaderplug.jobs.file_sink import is_temp_name
+from loaderplug.settings import Settings
+from loaderplug.storage.mounts import is_local_type, is_network_type
+from loaderplug.types import IOPolicy, Owned
+
+
+@dataclass(frozen=True)
+class MapRule:
+    """A load's rule: ``owned`` (``LOADERPLUG_OWNED``), the folders of loaderplug's own
+    published local copies, the mirror's folder, and whether ranks share the load
+    (``shared_by_ranks``: only own local copies in memory are mapped then)."""
+
+    owned: Owned = "auto"
+    own_copies: tuple[Path, ...] = ()
+    mirror: Path | None = None
+    shared_by_ranks: bool = False
+
+    @staticmethod
+    def of(
+        settings: Settings, local: Path | None = None, *, shared_by_ranks: bool = False
+    ) -> MapRule:
+        """The rule of a load with ``settings`` (``local``: a one pass's folder, where it
+        publishes own copies)."""
+        folders: Sequence[Path] = (settings.local_models_dir, *([local] if local else []))
+        return MapRule(
+            owned=settings.owned,
+            own_copies=tuple(_real(p) for p in folders),
+            mirror=_real(Path(settings.mirror)) if settings.mirror else None,
+            shared_by_ranks=shared_by_ranks,
+        )
+
+    def why_mapped(self, path: Path, policy: IOPolicy, in_memory: bool) -> str | None:
+        """Why ``path`` (read in place under ``policy``; ``in_memory``: its bytes are in
+        the page cache or on tmpfs) is mapped, or None: its bytes are to be owned."""
+        if self.shared_by_ranks:
+            return "an own local copy" if in_memory and self.is_own_copy(path) else None
+        if self.owned != "auto":
+            return "LOADERPLUG_OWNED=off" if self.owned == "off" else None
+        if self.is_own_copy(path):
+            what = "an own local copy"
+        elif self._stays_put(path, policy):
+            what = f"a file on {policy.fs_type}, a local filesystem"
+        else:
+            return None
+        if in_memory:
+            return what
+        # Cold: through the page cache where the policy reads it so, else owned (and a
+        # network filesystem's page cache is not one other hosts' writes keep whole).
+        if policy.direct or is_network_type(policy.fs_type):
+            return None
+        return f"{what}, read through the page cache"
+
+    def is_own_copy(self, path: Path) -> bool:
+        """Whether ``path`` is one of loaderplug's own published local copies, which
+        nothing rewrites in place: a copy is replaced by a rename, never truncated."""
+        if not self.own_copies or is_temp_name(path.name):
+            return False
+        real = _real(path)
+        return any(real.is_relative_to(folder) for folder in self.own_copies)
+
+    def _stays_put(self, path: Path, policy: IOPolicy) -> bool:
+        """A user's file that only a process of this machine changes: on a local
+        filesystem, and not the mirror's (a sync rewrites it) nor a file being written
+        (a temp name)."""
+        if not is_local_type(policy.fs_type) or is_temp_name(path.name):
+            return False
+        return self.mirror is None or not _real(path).is_relative_to(self.mirror)
+
+
+def _real(path: Path) -> Path:
+    return Path(os.path.realpath(path))
