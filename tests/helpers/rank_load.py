@@ -23,8 +23,8 @@ Prints {"tensors":
 {name: [dtype, shape, crc32]}, "reads": {file: bytes read through the source hook},
 "read_paths": the same by path, "hosts": what the hosts did (split, why, bytes read
 from this host's mirror and received), "error": message or null, "seconds": s, "first_tensor_s":
-the load's, "failed_at":
-unix time of the error, "owners": which rank read each file, "rss_growth": peak resident bytes over those before the load}.
+the load's, "failed_at": unix time of the error, "owners": which rank read each file,
+"rss_growth": peak resident bytes over those before the load}.
 """
 
 from __future__ import annotations
