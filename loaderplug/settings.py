@@ -241,16 +241,19 @@ class Settings:
     owned: Owned = _setting(
         "choice",
         "auto",
-        "Whether a load's tensors own their bytes or are views of a mapping of the file "
-        "(as safetensors.torch.load_file's are). auto: a file in memory (page cache, "
-        "tmpfs) that stays put is mapped, the fastest: loaderplug's own local copies and "
-        "a user's files on a local filesystem, which can then kill the process (SIGBUS) "
-        "if truncated while their tensors live, as with safetensors; a file that can "
-        "change under the load (a network or FUSE volume, the mirror) and a cold file "
-        "are read into memory of the load's own. on: every file is read into memory of "
-        "the load's own (safe whatever happens to the file; a warm file costs a copy). "
-        "off: every file read in place on the CPU is mapped, wherever it lives (at the "
-        "user's risk). Ranks sharing a load follow LOADERPLUG_RANK_SHARING instead.",
+        "Whether a load's tensors own their memory or are views of a mapping of the "
+        "file, as safetensors.torch.load_file's are (faster: no copy, no fresh memory). "
+        "auto: files that stay put are mapped where they are read through the page "
+        "cache (in memory already, or cold where buffered reads are as fast as "
+        "O_DIRECT): loaderplug's own local copies and a user's files on a local "
+        "filesystem (ext4, xfs, btrfs, tmpfs, overlay...), which, as with safetensors, "
+        "kill the process (SIGBUS) if truncated while their tensors live; files that can "
+        "change under the load (on a network or FUSE volume, the mirror) and files read "
+        "with O_DIRECT are read into memory of the load's own. on: every file is read "
+        "into memory of the load's own (safe whatever happens to a file; a warm file "
+        "costs a copy). off: every file read in place on the CPU is mapped, wherever it "
+        "lives, at the user's risk. Ranks sharing a load keep their own rule "
+        "(LOADERPLUG_RANK_SHARING).",
         choices=get_args(Owned),
     )
     weights_reader: WeightsReader = _setting(

@@ -142,7 +142,7 @@ def locate_weights(model: str, revision: str | None, settings: Settings) -> Mode
 def stream(
     weights: ModelWeights, settings: Settings, group: Any = None, device: str = "cpu"
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield every weight as ``(name, tensor)``, owned, on ``device``: read in place, or
+    """Yield every weight as ``(name, tensor)``, whole, on ``device``: read in place, or
     in one pass that hydrates the local copy (current files there are read locally).
     The ranks of a process ``group`` split the reading (see
     :mod:`loaderplug.tensors.ranks`)."""

@@ -3,8 +3,9 @@
 Files are read by the range engine (range-parallel, under the IO policy of each file);
 a tensor sink per file (:mod:`loaderplug.tensors.sinks`) scatters every landed range into
 the tensors it covers and hands over each tensor the moment it is complete, while other
-ranges are still in flight. Each yielded tensor owns its memory: it is never a view into
-a reused buffer.
+ranges are still in flight. A yielded tensor is never a view into a reused buffer: it
+has memory of its own, or is a view of a mapping of a file that stays put, as
+safetensors' are (``LOADERPLUG_OWNED`` and :mod:`loaderplug.tensors.map_rule` say which).
 
 With ``local_dir`` the same pass also hydrates: each range read from the mirror is
 written to a local temp file and fed to the tensor sink, so every byte is read from the
@@ -88,5 +89,5 @@ def iter_tensors(
 def load_file(
     path: str | os.PathLike[str], device: str | torch.device = "cpu"
 ) -> dict[str, torch.Tensor]:
-    """A drop-in for ``safetensors.torch.load_file``: every tensor, owned, on ``device``."""
+    """A drop-in for ``safetensors.torch.load_file``: every tensor, whole, on ``device``."""
     return dict(iter_tensors([path], device))
