@@ -32,6 +32,7 @@ BENCHMARKS = (
     "scale",
     "crash",
     "multihost",
+    "heartbeat",
 )
 
 
