@@ -28,8 +28,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import write_results  # noqa: E402
-from loaderplug.tensors.heartbeats import BEAT_S, SILENT_S, Heartbeats, Peer  # noqa: E402
+from benchmarks.common import write_results
+from loaderplug.tensors.heartbeats import BEAT_S, SILENT_S, Heartbeats, Peer
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SIZES = (8, 64, 512)
@@ -192,9 +192,7 @@ def main() -> None:
     server = TCPStore(
         "127.0.0.1", 0, None, True, timeout=datetime.timedelta(seconds=60), wait_for_workers=False
     )
-    cells = [
-        run_cell(server.port, watch, size, seconds) for size in SIZES for watch in WATCHES
-    ]
+    cells = [run_cell(server.port, watch, size, seconds) for size in SIZES for watch in WATCHES]
     load = os.getloadavg()[0]
     header = (
         "# Heartbeat store traffic\n\n"
