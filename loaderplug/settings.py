@@ -314,15 +314,18 @@ class Settings:
         "auto",
         "auto: when a torch.distributed group has more than one rank on this host (given, "
         "or the initialised default group), the ranks split a load's files between them, "
-        "each byte read once per host, and every rank gets every tensor. off: each rank "
-        "reads everything itself.",
+        "each byte read once per host, and every rank gets every tensor; on several hosts, "
+        "a one pass also splits the mirror's reads between the hosts as "
+        "LOADERPLUG_HOST_SPLIT says. off: each rank reads everything itself (no sharing "
+        "on a host, no split between hosts).",
         choices=get_args(Distributed),
     )
     hub_timeout_s: int = _setting(
         "int",
         10,
-        "With the Hub hook on: the most a Hub request for a repo the mirror holds waits for "
-        "a connection or an answer (where the caller set no timeout of its own). A timeout, "
+        "With the Hub hook on: the most a Hub request about a repo the mirror holds (a "
+        "revision lookup, metadata; never a download or an upload) waits for a connection "
+        "or an answer (where the caller set no timeout of its own). A timeout, "
         "a refused connection, a 5xx or a 429 then has such repos served from the mirror "
         "for a minute without asking the Hub again: one timeout per process, not per file.",
         minimum=1,
