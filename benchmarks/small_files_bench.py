@@ -39,8 +39,9 @@ from common import compile_loaderplug, drop_cache, run_child, run_timed
 from loaderplug.units import GiB, MiB
 
 HERE = Path(__file__).resolve().parent
-# loaderplug_own: the same files as loaderplug's own local copies (LOADERPLUG_LOCAL_COPIES),
-# which it maps where they are in memory; any other file it reads into memory of its own.
+# loaderplug_own: the same files as loaderplug's own local copies (LOADERPLUG_LOCAL_COPIES).
+# Both are mapped where they are in memory (a user's files on a local filesystem too, with
+# LOADERPLUG_OWNED=auto; benchmarks/owned_bench.py compares that with owning them).
 CONTENDERS = ("loaderplug", "loaderplug_own", "load_file", "safe_open")
 SHARDS = (1, 4, 32)
 SIZES = (16 * MiB, 128 * MiB, GiB, 4 * GiB)

@@ -102,7 +102,7 @@ class TransferReport:
         ]
         if self.mapped:
             lines.append(
-                f"mapped {self.bytes_mapped / MiB:.1f} MiB from memory (the page cache or "
+                f"mapped {self.bytes_mapped / MiB:.1f} MiB (through the page cache or "
                 f"tmpfs): not read by loaderplug; its pages are read as they are touched"
             )
         if self.results and not (self.restored or self.linked or self.loaded) and self.ok:

@@ -202,9 +202,10 @@ def test_load_hydrates_and_loads_in_one_pass(model: Path, tmp_path: Path) -> Non
 
 @pytest.mark.slow("CLI processes that import torch")
 def test_load_says_what_it_read_and_what_it_only_mapped(model: Path) -> None:
-    """A warm local copy of loaderplug's own is handed over as a mapping: reported as
-    mapped, with its bytes, never as bytes read at some speed; a warm file of the
-    user's, or a cold one, is read, and reported as read."""
+    """A warm local file (a local copy of loaderplug's own, or the user's) is handed
+    over as a mapping: reported as mapped, with its bytes, never as bytes read at some
+    speed; one the load must own (LOADERPLUG_OWNED=on), or a cold one read direct, is
+    read, and reported as read."""
     pytest.importorskip("torch")
     from tests.conftest import drop_from_page_cache
 
@@ -222,12 +223,15 @@ def test_load_says_what_it_read_and_what_it_only_mapped(model: Path) -> None:
     users = json.loads(
         run("load", *map(str, shards), "--json", env={"LOADERPLUG_DIRECT_IO": "off"}).stdout
     )
+    assert (users["bytes_read"], users["bytes_mapped"]) == (0, size)
+    owned = {"LOADERPLUG_DIRECT_IO": "off", "LOADERPLUG_OWNED": "on"}
+    users = json.loads(run("load", *map(str, shards), "--json", env=owned).stdout)
     assert (users["bytes_read"], users["bytes_mapped"]) == (size, 0)
     for shard in shards:
         drop_from_page_cache(shard)
-    cold = run("load", *map(str, shards), "--json", env={"LOADERPLUG_DIRECT_IO": "off"})
+    cold = run("load", *map(str, shards), "--json", env={"LOADERPLUG_DIRECT_IO": "on"})
     figures = json.loads(cold.stdout)
-    # Cold, a mapping would be read a page fault at a time: the file is read instead.
+    # Cold and read direct: read at the disk's speed, into memory of the load's own.
     assert figures["bytes_mapped"] == 0 and figures["bytes_read"] == size
     assert not any(mode.startswith("mapped") for mode in figures["io"].values())
 

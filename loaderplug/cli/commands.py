@@ -172,7 +172,7 @@ def _load(args: argparse.Namespace) -> int:
             else f"read nothing in {report.seconds:.2f} s"
         )
         mapped = (
-            f"; mapped {report.bytes_mapped / MiB:.1f} MiB from memory, read as touched"
+            f"; mapped {report.bytes_mapped / MiB:.1f} MiB, read as touched"
             if report.bytes_mapped
             else ""
         )

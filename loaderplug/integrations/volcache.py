@@ -171,7 +171,7 @@ def loaded(load: Load) -> str:
             f"({report.mib_per_s:.1f} MiB/s)"
         )
     if report.bytes_mapped:
-        parts.append(f"{report.bytes_mapped / MiB:.1f} MiB mapped from memory, not read")
+        parts.append(f"{report.bytes_mapped / MiB:.1f} MiB mapped, read as touched")
     if load.first_tensor_s is not None:
         parts.append(f"first tensor at {load.first_tensor_s:.2f} s")
     if load.sharing is not None:
