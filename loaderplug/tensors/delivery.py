@@ -176,18 +176,23 @@ class TensorDelivery:
     def _serve_here(
         self, entry: FileEntry, policy: IOPolicy, header: Header, open_source: Opener
     ) -> bool:
-        """Serve the file in the consumer's thread: mapped where the load's rule says
-        (a cold one with its pages asked for ahead of the consumer), else read without
-        the engine if it is small or in memory already; :attr:`served_as` says how."""
+        """Serve the file in the consumer's thread: mapped where the load's rule says,
+        else read without the engine if it is small or in memory already;
+        :attr:`served_as` says how."""
         in_memory = self._in_memory(policy, entry.source)
         why = self.map_rule.why_mapped(entry.source, policy, in_memory) if self.may_map else None
         if why is not None:
             self.served_as = f"mapped, {why}"
-            if not in_memory:
-                prefetch(str(entry.source), entry.identity.size)
-            self.served_here.append(
-                HereFile(entry.rel, header, "mapped", lambda: MappedTensors(header))
-            )
+            path, size = str(entry.source), entry.identity.size
+
+            def mapped() -> MappedTensors:
+                # A cold file's pages are asked for once the consumer comes to it, not
+                # at planning: the page cache holds the files being used, not the model.
+                if not in_memory:
+                    prefetch(path, size)
+                return MappedTensors(header)
+
+            self.served_here.append(HereFile(entry.rel, header, "mapped", mapped))
             return True
         if not self.serves_here or not (in_memory or entry.identity.size < self.small_file):
             return False
