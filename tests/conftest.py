@@ -33,9 +33,12 @@ FAST = {
 }
 
 
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """A ``slow`` test must say why it is slow; tests marked ``fuse`` are skipped, with
-    the reason, where FUSE is missing."""
+    the reason, where FUSE is missing. The tests that start vLLM come first: run in
+    parallel (``-n``), their groups are the longest, and start at once."""
+    items.sort(key=lambda item: item.get_closest_marker("vllm") is None)
     unexplained = [item.nodeid for item in items if _slow_without_a_reason(item)]
     if unexplained:
         raise pytest.UsageError(

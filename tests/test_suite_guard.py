@@ -7,26 +7,31 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import NEED_EVERY_PACKAGE
 
 REPO = Path(__file__).resolve().parents[1]
 
 
-def run(folder: Path, **env: str) -> subprocess.CompletedProcess[str]:
+def run(folder: Path, *options: str, **env: str) -> subprocess.CompletedProcess[str]:
     (folder / "test_needs_a_package.py").write_text(
         "import pytest\n\npytest.importorskip('no_such_package_anywhere')\n\n\n"
         "def test_it() -> None:\n    pass\n"
     )
     return subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "tests.conftest", "-p", "no:cacheprovider",
-         str(folder)],
+         *options, str(folder)],
         cwd=REPO, capture_output=True, text=True, env={"PATH": "/usr/bin:/bin", **env},
         check=False,
     )  # fmt: skip
 
 
-def test_a_test_skipped_for_a_missing_package_fails_the_test_scripts_run(tmp_path: Path) -> None:
-    guarded = run(tmp_path, **{NEED_EVERY_PACKAGE: "1"})
+@pytest.mark.parametrize("workers", [[], ["-n", "2"]], ids=["one process", "xdist"])
+def test_a_test_skipped_for_a_missing_package_fails_the_test_scripts_run(
+    tmp_path: Path, workers: list[str]
+) -> None:
+    guarded = run(tmp_path, *workers, **{NEED_EVERY_PACKAGE: "1"})
     assert guarded.returncode == 1, guarded.stdout
     assert "could not import 'no_such_package_anywhere'" in guarded.stdout
     assert "skipped for a package scripts/test.sh installs" in guarded.stdout

@@ -24,6 +24,8 @@ pytestmark = [
     pytest.mark.fuse,
     pytest.mark.vllm,
     pytest.mark.slow("starts vLLM"),
+    # One vLLM start at a time per module under pytest-xdist: each wants the cores.
+    pytest.mark.xdist_group("vllm"),
 ]
 REPO = Path(__file__).resolve().parent.parent
 

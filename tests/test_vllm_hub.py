@@ -20,6 +20,8 @@ pytestmark = [
     pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed"),
     pytest.mark.vllm,
     pytest.mark.slow("starts vLLM"),
+    # One vLLM start at a time per module under pytest-xdist: each wants the cores.
+    pytest.mark.xdist_group("vllm-hub"),
 ]
 REPO_ROOT = Path(__file__).resolve().parent.parent
 REPO = "acme/tiny-llama"
