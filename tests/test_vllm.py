@@ -12,12 +12,15 @@ import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
 from loaderplug.testing.volume import TestVolume, VolumeProfile, mounted
 from loaderplug.units import MiB
+
+if TYPE_CHECKING:
+    from loaderplug.testing.vllm_runner import Session
 
 pytestmark = [
     pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed"),
@@ -60,31 +63,50 @@ def vllm_env(mirror: Mirror, local_dir: Path) -> dict[str, str]:
     }
 
 
-def run_cases(
-    mirror: Mirror, local_dir: Path, cases: list[dict[str, Any]], **env: str
-) -> list[dict[str, Any]]:
-    from loaderplug.testing.vllm_runner import cases_in_subprocess
+@pytest.fixture(scope="module")
+def session(mirror: Mirror) -> Iterator[Session]:
+    """One vLLM process for the module's cases, each with its own settings."""
+    from loaderplug.testing.vllm_runner import Session
 
-    return cases_in_subprocess(cases, {**vllm_env(mirror, local_dir), **env}, REPO)
+    env = vllm_env(mirror, mirror.root / "unused")
+    del env["LOADERPLUG_LOCAL_COPIES"]  # each case says its own
+    started = Session(env, REPO)
+    yield started
+    started.close()
+
+
+def run_cases(
+    session: Session, local_dir: Path, cases: list[dict[str, Any]], **env: str
+) -> list[dict[str, Any]]:
+    """``cases`` in the module's vLLM process, each with a local copy in ``local_dir``
+    and ``env``."""
+    settings = {"LOADERPLUG_LOCAL_COPIES": str(local_dir), "LOADERPLUG_PROGRESS": "0", **env}
+    return session.run([{**case, "env": settings} for case in cases])
+
+
+@pytest.fixture(scope="module")
+def reference(mirror: Mirror, session: Session) -> dict[str, Any]:
+    """vLLM's own loader on the model on local disk: what every load must generate."""
+    (result,) = run_cases(
+        session,
+        mirror.root / "reference",
+        [{"model": str(mirror.original), "load_format": "safetensors"}],
+    )
+    assert result["ok"], result
+    return result
 
 
 def test_volcache_generates_what_safetensors_does_and_leaves_a_local_copy(
-    mirror: Mirror, tmp_path: Path
+    mirror: Mirror, session: Session, reference: dict[str, Any], tmp_path: Path
 ) -> None:
     local_dir = tmp_path / "local"
     mirror.volume.reset_stats()
-    volcache, safetensors = run_cases(
-        mirror,
-        local_dir,
-        [
-            {"model": str(mirror.on_mount), "load_format": "volcache"},
-            {"model": str(mirror.original), "load_format": "safetensors"},
-        ],
+    (volcache,) = run_cases(
+        session, local_dir, [{"model": str(mirror.on_mount), "load_format": "volcache"}]
     )
     assert volcache["ok"], volcache
-    assert safetensors["ok"], safetensors
-    assert volcache["token_ids"] == safetensors["token_ids"]
-    assert volcache["text"] == safetensors["text"]
+    assert volcache["token_ids"] == reference["token_ids"]
+    assert volcache["text"] == reference["text"]
     (copy,) = local_dir.iterdir()
     shards = sorted(mirror.original.glob("*.safetensors"))
     assert sorted(p.name for p in copy.glob("*.safetensors")) == [p.name for p in shards]
@@ -96,21 +118,18 @@ def test_volcache_generates_what_safetensors_does_and_leaves_a_local_copy(
 
 
 def test_volcache_reading_through_fastsafetensors_generates_the_same(
-    mirror: Mirror, tmp_path: Path
+    mirror: Mirror, session: Session, reference: dict[str, Any], tmp_path: Path
 ) -> None:
     pytest.importorskip("fastsafetensors")
     local_dir = tmp_path / "local"
-    through_fst, safetensors = run_cases(
-        mirror,
+    (through_fst,) = run_cases(
+        session,
         local_dir,
-        [
-            {"model": str(mirror.on_mount), "load_format": "volcache"},
-            {"model": str(mirror.original), "load_format": "safetensors"},
-        ],
+        [{"model": str(mirror.on_mount), "load_format": "volcache"}],
         LOADERPLUG_WEIGHTS_READER="fastsafetensors",
     )
-    assert through_fst["ok"] and safetensors["ok"], (through_fst, safetensors)
-    assert through_fst["token_ids"] == safetensors["token_ids"]
+    assert through_fst["ok"], through_fst
+    assert through_fst["token_ids"] == reference["token_ids"]
     (copy,) = local_dir.iterdir()
     assert len(list(copy.glob("*.safetensors"))) == 3
 
@@ -151,7 +170,9 @@ def drop_tensor(folder: Path, name: str) -> None:
     index_path.write_text(json.dumps(index))
 
 
-def test_bad_input_fails_with_a_clear_message(mirror: Mirror, tmp_path: Path) -> None:
+def test_bad_input_fails_with_a_clear_message(
+    mirror: Mirror, session: Session, tmp_path: Path
+) -> None:
     missing = broken_copy(mirror, tmp_path, "missing")
     (missing / "model-00002-of-00003.safetensors").unlink()
     incomplete = broken_copy(mirror, tmp_path, "incomplete")
@@ -160,7 +181,7 @@ def test_bad_input_fails_with_a_clear_message(mirror: Mirror, tmp_path: Path) ->
     shard = corrupt / "model-00003-of-00003.safetensors"
     shard.write_bytes((2**40).to_bytes(8, "little") + shard.read_bytes()[8:])
     results = run_cases(
-        mirror,
+        session,
         tmp_path / "local",
         [
             {"model": str(missing), "load_format": "volcache"},
@@ -197,35 +218,48 @@ def test_bad_input_fails_with_a_clear_message(mirror: Mirror, tmp_path: Path) ->
 TP2 = {"tensor_parallel_size": 2, "distributed_executor_backend": "mp"}
 
 
+@pytest.fixture(scope="module")
+def reference_tp2(mirror: Mirror, session: Session) -> dict[str, Any]:
+    (result,) = run_cases(
+        session,
+        mirror.root / "reference-tp2",
+        [{"model": str(mirror.original), "load_format": "safetensors", "llm": TP2}],
+        VLLM_CPU_OMP_THREADS_BIND="0|1",
+    )
+    assert result["ok"], result
+    return result
+
+
 @pytest.mark.parametrize("sharing", ["auto", "stream"])
 def test_volcache_at_tensor_parallel_two_generates_what_safetensors_does(
-    mirror: Mirror, tmp_path: Path, sharing: str
+    mirror: Mirror,
+    session: Session,
+    reference: dict[str, Any],
+    reference_tp2: dict[str, Any],
+    tmp_path: Path,
+    sharing: str,
 ) -> None:
     local_dir = tmp_path / "local"
     shards = sorted(mirror.original.glob("*.safetensors"))
     weight_bytes = sum(p.stat().st_size for p in shards)
     other_bytes = sum(p.stat().st_size for p in mirror.original.iterdir() if p not in shards)
     mirror.volume.reset_stats()
-    from_mirror, from_local, reference_tp2 = run_cases(
-        mirror,
+    from_mirror, from_local = run_cases(
+        session,
         local_dir,
         [
             {"model": str(mirror.on_mount), "load_format": "volcache", "llm": TP2},
             {"model": str(mirror.original), "load_format": "volcache", "llm": TP2},
-            {"model": str(mirror.original), "load_format": "safetensors", "llm": TP2},
         ],
         # One core per worker: without it vLLM's CPU backend refuses (no NUMA nodes).
         VLLM_CPU_OMP_THREADS_BIND="0|1",
         LOADERPLUG_RANK_SHARING=sharing,
     )
     served = mirror.volume.stats()["bytes_read"]
-    (reference_tp1,) = run_cases(
-        mirror, local_dir, [{"model": str(mirror.original), "load_format": "safetensors"}]
-    )
-    for result in (from_mirror, from_local, reference_tp2, reference_tp1):
+    for result in (from_mirror, from_local):
         assert result["ok"], result
     assert from_mirror["token_ids"] == from_local["token_ids"] == reference_tp2["token_ids"]
-    assert reference_tp2["token_ids"] == reference_tp1["token_ids"]
+    assert reference_tp2["token_ids"] == reference["token_ids"]
     # The two workers split the shards: each weight byte came off the volume once (the
     # config and tokenizer files are read by vLLM itself, by each process).
     assert served <= 1.05 * weight_bytes + 4 * other_bytes, (served, weight_bytes, other_bytes)

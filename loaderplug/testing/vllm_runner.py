@@ -9,7 +9,9 @@ as a subprocess and asks it for one completion.
     python -m loaderplug.testing.vllm_runner --cases '[{"model": DIR, "load_format": F}]'
 
 With ``--cases`` it builds ``LLM`` for each case in turn and prints the generations (or
-the error) as JSON on a line starting with ``RESULT``; tests/test_vllm.py drives it.
+the error) as JSON on a line starting with ``RESULT``; with ``--session`` it reads the
+cases from stdin, a line each, and answers each as it is done (:class:`Session`, which
+tests/test_vllm.py drives: vLLM imported once for a module of tests).
 
 The recipe, in short:
 
@@ -41,6 +43,7 @@ The recipe, in short:
 from __future__ import annotations
 
 import argparse
+import collections
 import gc
 import json
 import logging
@@ -49,6 +52,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 from collections.abc import Iterator, Sequence
@@ -249,20 +253,74 @@ def cases_in_subprocess(
 
 def run_cases(cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Build and query ``LLM`` for each case in turn; a failure is recorded, not raised."""
+    return [run_case(case) for case in cases]
+
+
+def run_case(case: dict[str, Any]) -> dict[str, Any]:
+    """Build and query ``LLM`` for one case (``model``, ``load_format``, ``llm`` keyword
+    arguments), with ``env`` set for it alone; a failure is recorded, not raised."""
     from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
 
-    results: list[dict[str, Any]] = []
     with vllm_process_state():
-        for case in cases:
-            try:
-                result = generate(Path(case["model"]), case["load_format"], **case.get("llm", {}))
-            except Exception as exc:
-                error = f"{type(exc).__name__}: {exc}"
-                results.append({"ok": False, "error": error, "failed_at": time.time()})
-                cleanup_dist_env_and_memory()  # a failed start leaves it initialised
-            else:
-                results.append({"ok": True, **result})
-    return results
+        os.environ.update(case.get("env", {}))
+        try:
+            result = generate(Path(case["model"]), case["load_format"], **case.get("llm", {}))
+        except Exception as exc:
+            cleanup_dist_env_and_memory()  # a failed start leaves it initialised
+            return {"ok": False, "error": f"{type(exc).__name__}: {exc}", "failed_at": time.time()}
+    return {"ok": True, **result}
+
+
+class Session:
+    """A process that imports vLLM once and runs the cases it is sent, one after
+    another, each in an environment of its own (a module of tests shares one: each
+    import of vLLM costs seconds of CPU). ``env`` is the process's environment."""
+
+    def __init__(self, env: dict[str, str], cwd: Path, case_timeout_s: float = 900) -> None:
+        self._process = subprocess.Popen(
+            [sys.executable, "-m", "loaderplug.testing.vllm_runner", "--session"],
+            cwd=cwd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, text=True,
+        )  # fmt: skip
+        self._timeout_s = case_timeout_s
+        self._log: collections.deque[str] = collections.deque(maxlen=300)
+
+    def run(self, cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Each case's result (as :func:`run_case`'s), with the output tail as ``log``."""
+        return [self._run(case) for case in cases]
+
+    def _run(self, case: dict[str, Any]) -> dict[str, Any]:
+        process = self._process
+        assert process.stdin is not None and process.stdout is not None
+        process.stdin.write(json.dumps(case) + "\n")
+        process.stdin.flush()
+        watchdog = threading.Timer(self._timeout_s, process.kill)  # a hung start
+        watchdog.start()
+        try:
+            for line in process.stdout:
+                if line.startswith(RESULT_PREFIX):
+                    result: dict[str, Any] = json.loads(line[len(RESULT_PREFIX) :])
+                    return {**result, "log": "".join(self._log)[-9000:]}
+                self._log.append(line)
+        finally:
+            watchdog.cancel()
+        raise AssertionError(f"vLLM's process ended: {''.join(self._log)[-9000:]}")
+
+    def close(self) -> None:
+        process = self._process
+        if process.stdin is not None:
+            process.stdin.close()
+        try:
+            process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def _serve_cases() -> None:
+    """``--session``: a case a line on stdin, its result a line on stdout, until EOF."""
+    for line in sys.stdin:
+        print(RESULT_PREFIX + json.dumps(run_case(json.loads(line))), flush=True)
 
 
 def main() -> None:
@@ -270,16 +328,21 @@ def main() -> None:
     parser.add_argument("--load-format", default="safetensors")
     parser.add_argument("--server", action="store_true", help="also time the HTTP server")
     parser.add_argument(
-        "--cases", help="a JSON list of {model, load_format, llm}: run them, print the results"
+        "--cases", help="a JSON list of {model, load_format, llm, env}: run them, print the results"
     )
+    parser.add_argument("--session", action="store_true", help="cases from stdin, a line each")
     args = parser.parse_args()
 
     for name, value in VLLM_ENV.items():  # a caller's own choice wins (HF_HUB_OFFLINE=0)
         os.environ.setdefault(name, value)
     _fewer_hub_retries()
-    if args.cases:
+    if args.cases or args.session:
         logging.basicConfig(level=logging.WARNING)
         logging.getLogger("vllm").setLevel(logging.INFO)
+    if args.session:
+        _serve_cases()
+        return
+    if args.cases:
         print(RESULT_PREFIX + json.dumps(run_cases(json.loads(args.cases))))
         return
     _run_twice(args.load_format, args.server)
