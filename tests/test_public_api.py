@@ -30,6 +30,7 @@ def test_choice_settings_accept_exactly_their_literal_types() -> None:
         "distributed": loaderplug.Distributed,
         "rank_sharing": loaderplug.RankSharing,
         "host_split": loaderplug.HostSplit,
+        "owned": loaderplug.Owned,
     }
     for field, literal in literals.items():
         assert BY_FIELD[field].choices == get_args(literal), field
