@@ -33,6 +33,7 @@ BENCHMARKS = (
     "crash",
     "multihost",
     "heartbeat",
+    "owned",
 )
 
 
