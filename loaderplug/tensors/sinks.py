@@ -13,7 +13,6 @@ process that touches it).
 from __future__ import annotations
 
 import bisect
-import itertools
 import mmap
 import os
 import threading
@@ -21,16 +20,16 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from loaderplug.engine.reading import READ_PADDING
-from loaderplug.engine.retry import Cancelled
 from loaderplug.errors import FormatError, LoaderplugError
 from loaderplug.tensors.arena import Arena
-from loaderplug.tensors.budget import MemoryBudget
+from loaderplug.tensors.budget import FileHold, MemoryBudget
 from loaderplug.tensors.dtypes import DTYPES
 from loaderplug.tensors.header import Header, TensorInfo
 from loaderplug.tensors.page_release import PageReleaser
 
 if TYPE_CHECKING:
     import torch
+
     from loaderplug.tensors.device_path import DevicePath
 
 
@@ -170,16 +169,10 @@ class TensorSink(_CoveredSink):
         self.budget = budget
         self._dtypes = torch_dtypes(header)
         self._coverage = Coverage(header)
-        self._begins = [t.begin for t in self._coverage.tensors]
-        # The bytes of the tensors before each one (and of all, last): what spans hold.
-        self._bytes_before = [0, *itertools.accumulate(t.nbytes for t in self._coverage.tensors)]
+        self._hold = FileHold(self._coverage.tensors, budget)
         self._mapping: mmap.mmap | None = None
         self._pages: PageReleaser | None = None
         self._view = memoryview(b"")
-        self._lock = threading.Lock()
-        self._held = 0  # bytes this file holds in the budget
-        self._emitted = 0  # bytes of tensors emitted: the runner releases them at hand-over
-        self._closed = False
 
     def prepare(self) -> None:
         # Room past the end for the last range's read, padded to the O_DIRECT alignment.
@@ -197,27 +190,7 @@ class TensorSink(_CoveredSink):
     def admit(self, offset: int, length: int, cancel: threading.Event) -> None:
         """Hold in the budget, before ``[offset, offset+length)`` is read, every tensor
         it begins, whole (so the spans continuing them need no room)."""
-        if self.budget is None:
-            return
-        with self._lock:
-            if self._closed:
-                raise Cancelled
-        first = bisect.bisect_left(self._begins, offset)
-        begun = self._bytes_before[bisect.bisect_left(self._begins, offset + length)]
-        nbytes = begun - self._bytes_before[first]
-        # The tensor this span continues (begun before it) is held whole already.
-        before = self._coverage.tensors[first - 1] if first else None
-        finishing = before.nbytes if before is not None and before.end > offset else 0
-        self.budget.admit(nbytes, finishing=finishing, cancel=cancel)
-        with self._lock:
-            self._held += nbytes
-            closed = self._closed
-        if closed:  # aborted meanwhile: what it would have held is not coming
-            self._release(nbytes)
-
-    def _release(self, nbytes: int) -> None:
-        if self.budget is not None:
-            self.budget.release(nbytes)
+        self._hold.admit(offset, length, cancel)
 
     # -- landing ---------------------------------------------------------------------
 
@@ -240,10 +213,8 @@ class TensorSink(_CoveredSink):
             self.emit(t.name, _empty(dtype, t))
             return
         assert self._pages is not None
-        with self._lock:
-            if self._closed:  # aborted since it landed: its bytes went back with the file
-                return
-            self._emitted += t.nbytes
+        if not self._hold.emitting(t.nbytes):  # aborted since it landed
+            return
         handle = self._pages.tensor(t)
         tensor = torch.frombuffer(handle, dtype=torch.uint8).view(dtype).reshape(t.torch_shape)
         del handle  # the tensor's storage holds it now, and lets go when it dies
@@ -254,13 +225,8 @@ class TensorSink(_CoveredSink):
     def _close(self) -> None:
         """The file is done: what it held for tensors it will never emit goes back;
         emitted ones go when handed over."""
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            unclaimed = self._held - self._emitted
-        if unclaimed > 0:
-            self._release(unclaimed)
+        if not self._hold.close():
+            return
         if self._pages is not None:
             self._pages.release_rest()
 
