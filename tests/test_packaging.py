@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
+# One worker builds the wheel, once: builds in the checkout share its build/ folder.
+pytestmark = pytest.mark.xdist_group("packaging")
 
 
 @pytest.fixture(scope="module")
