@@ -17,10 +17,9 @@ heartbeat instead (:mod:`loaderplug.tensors.heartbeats`): each such rank counts 
 key of its own in the group's store from a thread of its own, and one whose count stood
 still for ``SILENT_S`` while the store kept answering has died. A rank that is merely
 slow is never taken for dead: only an exit counts, or a heartbeat that stopped for far
-longer than any slow step takes. The
-hosts that split a one pass (:mod:`loaderplug.tensors.host_split`) watch each other's
-leading rank by heartbeat too: a pidfd cannot see another host, and a host whose network
-stalls closes no socket.
+longer than any slow step takes. The hosts that split a one pass
+(:mod:`loaderplug.tensors.host_split`) watch each other's leading rank by heartbeat
+too: a pidfd cannot see another host, and a host whose network stalls closes no socket.
 """
 
 from __future__ import annotations
@@ -32,8 +31,7 @@ import threading
 from collections.abc import Callable, Sequence
 
 from loaderplug.errors import DistributedError
-from loaderplug.tensors import heartbeats as beats
-from loaderplug.tensors.heartbeats import BEAT_S, Heartbeats, Peer
+from loaderplug.tensors.heartbeats import BEAT_S, SILENT_S, Heartbeats, Peer
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +80,7 @@ class PeerWatch:
             except (OSError, AttributeError):
                 self._polled.append((peer, peer.pid))
         # A failed collective waits this long to see whether a peer died, to name it.
-        self.settle_s = beats.SILENT_S + 2 * BEAT_S if heartbeats is not None else PEER_EXIT_S
+        self.settle_s = SILENT_S + 2 * BEAT_S if heartbeats is not None else PEER_EXIT_S
         self._wake_r, self._wake_w = os.pipe()
         self._thread = threading.Thread(target=self._watch, name="loaderplug-peers", daemon=True)
         self._thread.start()
@@ -109,13 +107,13 @@ class PeerWatch:
         if peer.hostname is not None:
             return DistributedError(
                 f"host {peer.hostname} (rank {peer.rank}) of the shared load stopped "
-                f"answering: its heartbeat stood still for {beats.SILENT_S:g} s (the host died, "
+                f"answering: its heartbeat stood still for {SILENT_S:g} s (the host died, "
                 f"or the network to it stalled); this rank stops too"
             )
         if peer.pid is None:
             return DistributedError(
                 f"rank {peer.rank} of the shared load died (its heartbeat stopped for "
-                f"{beats.SILENT_S:g} s; it runs on this host, in another pid namespace); this "
+                f"{SILENT_S:g} s; it runs on this host, in another pid namespace); this "
                 f"rank stops too"
             )
         return DistributedError(

@@ -175,26 +175,21 @@ def same_files(steps: Steps, files: Sequence[Path], who: str = "rank") -> None:
     raise the same error on every member, naming the first that differs from the
     first member (``who``: how members are called in the message)."""
     names = [path.name for path in files]
-    said = steps.exchange(("files", names))
-    for member, step in enumerate(said):
-        theirs = step[1] if step is not None else []
-        first = said[0][1] if said[0] is not None else []
-        if theirs == first:
-            continue
-        lacks, more = sorted(set(first) - set(theirs)), sorted(set(theirs) - set(first))
-        differs = (
-            "; ".join(
-                [f"lacks {', '.join(lacks)}"] * bool(lacks)
-                + [f"also has {', '.join(more)}"] * bool(more)
-            )
-            or "has some twice"
-        )
-        raise LoaderplugError(
-            f"the ranks of a shared load must load the same files, and {who} "
-            f"{steps.share.global_ranks[member]} does not: next to rank "
-            f"{steps.share.global_ranks[0]}'s, its list {differs}; pass every rank the "
-            f"same files"
-        )
+    said = [step[1] if step is not None else [] for step in steps.exchange(("files", names))]
+    first = said[0]
+    differing = next((member for member, theirs in enumerate(said) if theirs != first), None)
+    if differing is None:
+        return
+    theirs = said[differing]
+    lacks, more = sorted(set(first) - set(theirs)), sorted(set(theirs) - set(first))
+    parts = [f"lacks {', '.join(lacks)}"] if lacks else []
+    parts += [f"also has {', '.join(more)}"] if more else []
+    raise LoaderplugError(
+        f"the ranks of a shared load must load the same files, and {who} "
+        f"{steps.share.global_ranks[differing]} does not: next to rank "
+        f"{steps.share.global_ranks[0]}'s, its list {'; '.join(parts) or 'has some twice'}; "
+        f"pass every rank the same files"
+    )
 
 
 def agreed(steps: Steps, mode: SharingMode) -> SharingMode:
