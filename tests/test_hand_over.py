@@ -11,6 +11,7 @@ import pytest
 
 from loaderplug import io_policy, iter_tensors
 from loaderplug.units import MiB
+from tests.helpers.tensors import file_mappings
 
 torch = pytest.importorskip("torch")
 safetensors_torch = pytest.importorskip("safetensors.torch")
@@ -95,18 +96,6 @@ def test_tensors_read_in_place_free_each_dropped_tensor_at_once(model: list[Path
     assert not any(mode.startswith("mapped") for mode in load.io_modes.values())
 
 
-def mapped_files() -> dict[tuple[int, int], str]:
-    """This process's file mappings: (start, end) -> path."""
-    found = {}
-    with open("/proc/self/maps") as f:
-        for line in f:
-            fields = line.split(maxsplit=5)
-            if len(fields) == 6 and fields[5].startswith("/"):
-                start, end = (int(x, 16) for x in fields[0].split("-"))
-                found[(start, end)] = fields[5].strip()
-    return found
-
-
 @pytest.mark.parametrize("one_pass", [False, True])
 def test_through_the_page_cache_each_tensor_is_a_mapping_of_the_file(
     model: list[Path], tmp_path: Path, one_pass: bool
@@ -141,13 +130,13 @@ def test_through_the_page_cache_each_tensor_is_a_mapping_of_the_file(
     )
     runner = Runner(plan, settings)
     held = dict(TensorsOf(runner.run()))  # the budget (16 MiB) is less than the model
-    maps = mapped_files()
+    maps = file_mappings()
     assert len(held) == SHARDS * PER_SHARD
     for name, tensor in held.items():
         shard = model[int(name[1:].split(".w")[0])]
         mapped = local / shard.name if local is not None else shard
         address = tensor.data_ptr()
-        inside = [path for (start, end), path in maps.items() if start <= address < end]
+        inside = [path for start, end, path in maps if start <= address < end]
         assert inside == [str(mapped)], f"{name} is not a view of {mapped}: {inside}"
         assert torch.equal(tensor, safetensors_torch.load_file(str(shard))[name])
     assert runner.report.bytes_copied == sum(p.stat().st_size for p in model)

@@ -21,33 +21,12 @@ from tests.conftest import drop_from_page_cache
 torch = pytest.importorskip("torch")
 pytest.importorskip("safetensors")
 from loaderplug.tensors.reader import iter_tensors  # noqa: E402
-from tests.helpers.tensors import reference, same  # noqa: E402
+from tests.helpers.tensors import mapped_from, reference, same  # noqa: E402
 
 
 def warm(paths: list[Path]) -> None:
     for p in paths:
         p.read_bytes()
-
-
-def file_mappings() -> list[tuple[int, int, str]]:
-    """This process's mappings of files: (start, end, path)."""
-    found = []
-    with open("/proc/self/maps") as f:
-        for line in f:
-            fields = line.split(maxsplit=5)
-            if len(fields) == 6 and fields[5].startswith("/"):
-                start, end = (int(x, 16) for x in fields[0].split("-"))
-                found.append((start, end, fields[5].strip()))
-    return found
-
-
-def mapped_from(tensor: Any) -> str | None:
-    """The file ``tensor``'s bytes are a mapping of, or None (memory of its own)."""
-    address = tensor.data_ptr()
-    for start, end, path in file_mappings():
-        if start <= address < end:
-            return path
-    return None
 
 
 def loaded(paths: list[Path], **settings: Any) -> tuple[dict[str, Any], dict[str, str]]:

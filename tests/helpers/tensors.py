@@ -1,4 +1,5 @@
-"""Small safetensors models and tensor comparisons shared by the reader's tests."""
+"""Small safetensors models, tensor comparisons and where a tensor's bytes live, shared
+by the reader's tests."""
 
 from __future__ import annotations
 
@@ -48,3 +49,24 @@ def reference(paths: list[Path]) -> dict[str, Any]:
     for p in paths:
         out |= load_file(str(p))
     return out
+
+
+def file_mappings() -> list[tuple[int, int, str]]:
+    """This process's mappings of files: (start, end, path)."""
+    found = []
+    with open("/proc/self/maps") as f:
+        for line in f:
+            fields = line.split(maxsplit=5)
+            if len(fields) == 6 and fields[5].startswith("/"):
+                start, end = (int(x, 16) for x in fields[0].split("-"))
+                found.append((start, end, fields[5].strip()))
+    return found
+
+
+def mapped_from(tensor: Any) -> str | None:
+    """The file ``tensor``'s bytes are a mapping of, or None (memory of its own)."""
+    address = tensor.data_ptr()
+    for start, end, path in file_mappings():
+        if start <= address < end:
+            return path
+    return None
