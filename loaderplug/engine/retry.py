@@ -59,6 +59,12 @@ class RetryPolicy:
 GiveUp = Callable[[OSError, "int | None"], Exception]
 
 
+def as_raised(exc: OSError, attempts: int | None) -> OSError:
+    """A :data:`GiveUp` for a caller that handles the ``OSError`` itself: the last error
+    as it was raised (ENOENT stays a ``FileNotFoundError``)."""
+    return OSError(exc.errno, exc.strerror, exc.filename)
+
+
 def retrying(
     op: Callable[[], T],
     policy: RetryPolicy,

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from loaderplug.engine.retry import RetryPolicy, retrying
+from loaderplug.engine.retry import RetryPolicy, as_raised, retrying
 from loaderplug.errors import MirrorError
 from loaderplug.jobs.file_sink import temp_name_for
 from loaderplug.jobs.model_folder import MANIFEST_NAME, path_problem, symlink_problem
@@ -39,12 +39,8 @@ def read(root: Path, retry: RetryPolicy = READ_RETRY) -> Manifest | None:
     """The manifest at ``root``, or None when the mirror has none (it is then walked).
     A transient error (a stale NFS handle, EIO under load) is retried like any read."""
     path = root / MANIFEST_NAME
-
-    def give_up(exc: OSError, attempts: int | None) -> OSError:
-        return OSError(exc.errno, exc.strerror, exc.filename)  # ENOENT: FileNotFoundError
-
     try:
-        text, _ = retrying(lambda: path.read_text(encoding="utf-8"), retry, give_up)
+        text, _ = retrying(lambda: path.read_text(encoding="utf-8"), retry, as_raised)
     except FileNotFoundError:
         return None
     try:

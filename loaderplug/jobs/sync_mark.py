@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 
-from loaderplug.engine.retry import Cancelled, GiveUp, RetryPolicy, retrying
+from loaderplug.engine.retry import Cancelled, GiveUp, RetryPolicy, as_raised, retrying
 from loaderplug.errors import MirrorError
 from loaderplug.jobs.model_folder import SYNC_MARK_NAME as MARK_NAME
 
@@ -81,7 +81,7 @@ def _cannot_read(path: Path) -> GiveUp:
 
     def give_up(exc: OSError, attempts: int | None) -> Exception:
         if isinstance(exc, FileNotFoundError):
-            return FileNotFoundError(exc.errno, exc.strerror, exc.filename)
+            return as_raised(exc, attempts)
         tried = f"after {attempts} attempts" if attempts else "not a transient error"
         return MirrorError(
             f"{path}: could not read this sync mark ({exc.strerror}, errno {exc.errno}, "
@@ -209,7 +209,7 @@ class SyncMark(contextlib.AbstractContextManager["SyncMark"]):
         if self._own(cancel=self._stop) is None:
             return False
         try:
-            retrying(lambda: os.utime(self.path), self.retry, _as_os_error)
+            retrying(lambda: os.utime(self.path), self.retry, as_raised)
         except FileNotFoundError:
             return False
         return True
@@ -250,13 +250,13 @@ class SyncMark(contextlib.AbstractContextManager["SyncMark"]):
             return
         if kind is None:
             with contextlib.suppress(FileNotFoundError):
-                retrying(lambda: os.unlink(self.path), self.retry, _as_os_error)
+                retrying(lambda: os.unlink(self.path), self.retry, as_raised)
             return
         # Left for hydrates to refuse at once, rather than after it goes stale; written
         # whole (a hydrate may read it at any moment).
         try:
             retrying(
-                lambda: write_mark(self.path, {**data, "abandoned": True}), self.retry, _as_os_error
+                lambda: write_mark(self.path, {**data, "abandoned": True}), self.retry, as_raised
             )
         except OSError as error:
             if error.errno not in (errno.ENOENT, errno.EROFS):
@@ -268,12 +268,6 @@ class SyncMark(contextlib.AbstractContextManager["SyncMark"]):
             f"to remove it ({error}); if no other sync is writing this mirror, delete the "
             f"mark, or hydrates refuse the mirror once it is {self.stale_s:g} s old"
         )
-
-
-def _as_os_error(exc: OSError, attempts: int | None) -> OSError:
-    """The error a write or a touch of the mark gives up with: the last one, as the
-    caller knows it."""
-    return OSError(exc.errno, exc.strerror, exc.filename)
 
 
 def write_mark(path: Path, data: dict[str, object]) -> None:
