@@ -34,7 +34,6 @@ class Arena:
         # Private: a page given back (MADV_DONTNEED) is freed, not kept by a shared object.
         self.mapping = mmap.mmap(-1, size + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         self.base = -_address(self.mapping) % HUGE_PAGE
-        self.size = size
         self.view = memoryview(self.mapping)[self.base : self.base + size]
         _ask_for_huge_pages(self.mapping, self.base, size)
 

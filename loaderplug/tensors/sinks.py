@@ -166,7 +166,6 @@ class TensorSink(_CoveredSink):
         self.header = header
         self.path = path
         self.emit = emit
-        self.budget = budget
         self._dtypes = torch_dtypes(header)
         self._coverage = Coverage(header)
         self._hold = FileHold(self._coverage.tensors, budget)
