@@ -42,14 +42,14 @@ from loaderplug.errors import FileError, LoaderplugError
 from loaderplug.jobs.partial import partial_for
 from loaderplug.jobs.plan import FileEntry
 from loaderplug.settings import Settings
-from loaderplug.storage.mounts import MEMORY_TYPES, is_network_type
+from loaderplug.storage.mounts import MEMORY_TYPES
 from loaderplug.storage.residency import WARM_FRACTION, cached_fraction
 from loaderplug.tensors.budget import MemoryBudget, device_limit
 from loaderplug.tensors.device_path import DevicePath
 from loaderplug.tensors.device_sink import DeviceTensorSink
 from loaderplug.tensors.header import Header
 from loaderplug.tensors.header_reads import read_header
-from loaderplug.tensors.map_rule import MapRule
+from loaderplug.tensors.map_rule import MapRule, shares_page_cache
 from loaderplug.tensors.owned_reads import STEP, FileReads, ReadTensors, gives_up
 from loaderplug.tensors.readers import prefetch
 from loaderplug.tensors.sinks import (
@@ -230,7 +230,7 @@ class TensorDelivery:
             return None
         if entry.copy_to is not None:
             return str(partial_for(entry.copy_to))
-        if self._buffered(policy) and self.map_rule.is_own_copy(entry.source):
+        if shares_page_cache(policy) and self.map_rule.is_own_copy(entry.source):
             return str(entry.source)
         return None
 
@@ -239,18 +239,12 @@ class TensorDelivery:
         in the page cache): they are then read, or mapped, faster than the engine's
         threads hand them over. A file that is not is read by the engine, or mapped
         with its pages asked for ahead (see :mod:`loaderplug.tensors.map_rule`)."""
-        if not self._buffered(policy):
+        if not shares_page_cache(policy):
             return False
         if policy.fs_type in MEMORY_TYPES:
             return True
         cached = cached_fraction(str(path))
         return cached is not None and cached >= WARM_FRACTION
-
-    @staticmethod
-    def _buffered(policy: IOPolicy) -> bool:
-        """Whether reads under ``policy`` go through a page cache other processes can
-        map (not direct, not a network filesystem's)."""
-        return not policy.direct and not is_network_type(policy.fs_type)
 
     def _read_header(self, entry: FileEntry, policy: IOPolicy, open_source: Opener) -> Header:
         """The file's header, retried like any read; a file that changed since it was

@@ -79,9 +79,8 @@ class MapRule:
             return None
         if in_memory:
             return what
-        # Cold: through the page cache where the policy reads it so, else owned (and a
-        # network filesystem's page cache is not one other hosts' writes keep whole).
-        if policy.direct or is_network_type(policy.fs_type):
+        # Cold: through the page cache where the policy reads it so, else owned.
+        if not shares_page_cache(policy):
             return None
         return f"{what}, read through the page cache"
 
@@ -100,6 +99,13 @@ class MapRule:
         if not is_local_type(policy.fs_type) or is_temp_name(path.name):
             return False
         return self.mirror is None or not _real(path).is_relative_to(self.mirror)
+
+
+def shares_page_cache(policy: IOPolicy) -> bool:
+    """Whether reads under ``policy`` go through a page cache other processes can map:
+    not direct, and not a network filesystem's (one other hosts' writes do not keep
+    whole)."""
+    return not policy.direct and not is_network_type(policy.fs_type)
 
 
 def _real(path: Path) -> Path:
