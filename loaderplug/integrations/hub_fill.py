@@ -71,10 +71,9 @@ class _Offer:
 
 @dataclass(frozen=True)
 class _Publishing:
-    """The commit the fill thread is publishing, for a process that exits before it is
-    done to say what it left."""
+    """The commit the fill thread is publishing (of the offer it took), for a process
+    that exits before it is done to say what it left."""
 
-    repo_id: str
     local: LocalCommit
     files: tuple[str, ...]
 
@@ -151,25 +150,26 @@ def _wait_at_exit() -> None:
         "(waited %g s, LOADERPLUG_FILL_EXIT_WAIT_S): %s; no file of it is published "
         "partially, and the next worker that finds it in its cache fills it",
         wait_s,
-        _left_unpublished(publishing, taking, pending),
+        _left_unpublished(taking, publishing, pending),
     )
 
 
 def _left_unpublished(
-    publishing: _Publishing | None, taking: _Offer | None, pending: list[str]
+    taking: _Offer | None, publishing: _Publishing | None, pending: list[str]
 ) -> str:
     """What an exit leaves unpublished, for the warning that says so."""
     parts = []
-    if publishing is None and taking is not None:
-        parts.append(f"{taking.options['repo_id']} is not published (still being looked at)")
-    if publishing is not None:
-        files = list(publishing.files)
-        shown = ", ".join(files[:5]) + (f" and {len(files) - 5} more" if len(files) > 5 else "")
-        parts.append(
-            f"{publishing.repo_id} at commit {publishing.local.commit} to "
-            f"{publishing.local.mirror} is not (wholly) published ({len(files)} file(s): "
-            f"{shown})"
-        )
+    if taking is not None:
+        repo_id = taking.options["repo_id"]
+        if publishing is None:
+            parts.append(f"{repo_id} is not published (still being looked at)")
+        else:
+            files = list(publishing.files)
+            shown = ", ".join(files[:5]) + (f" and {len(files) - 5} more" if len(files) > 5 else "")
+            parts.append(
+                f"{repo_id} at commit {publishing.local.commit} to {publishing.local.mirror} "
+                f"is not (wholly) published ({len(files)} file(s): {shown})"
+            )
     if pending:
         parts.append(f"{len(pending)} offer(s) not looked at ({', '.join(map(str, pending))})")
     return "; ".join(parts)
@@ -245,13 +245,12 @@ def _take_up(offered: _Offer) -> None:
             offered.options["repo_id"],
         )
         return
-    fill(local, str(offered.options["repo_id"]))
+    fill(local)
 
 
-def fill(commit: LocalCommit, repo_id: str = "") -> bool:
+def fill(commit: LocalCommit) -> bool:
     """Publish the files of ``commit`` the local cache holds that the mirror lacks; True
-    if something was published. ``repo_id`` names the repo where an exit says what it
-    left unpublished."""
+    if something was published."""
     global _publishing
     settings = from_env()
     listing = hub_mirror.read_listing(commit.cache, commit.commit)
@@ -265,7 +264,7 @@ def fill(commit: LocalCommit, repo_id: str = "") -> bool:
             return False  # the mirror holds all of it already
     ref = _ref_to_publish(commit)
     with _cond:
-        _publishing = _Publishing(repo_id or commit.cache.name, commit, tuple(held))
+        _publishing = _Publishing(commit, tuple(held))
     try:
         report = hub_mirror.sync_snapshot(
             commit.cache, commit.mirror, commit.commit, ref, set(held).intersection, settings
