@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from loaderplug.errors import SettingsError
-from loaderplug.settings import from_env
+from loaderplug.settings import Settings, from_env
 
 from . import hub_commits, hub_mirror
 from .hub_calls import cache_folder, mirror_for
@@ -138,7 +138,7 @@ def _wait_at_exit() -> None:
     try:
         wait_s: float = from_env().fill_exit_wait_s
     except SettingsError as exc:  # said by whatever read the settings first; not here
-        wait_s = 30
+        wait_s = Settings.fill_exit_wait_s  # the default
         log.debug("loaderplug: the fill's exit wait: %s; waiting %g s", exc, wait_s)
     if wait(wait_s):
         return
