@@ -179,6 +179,9 @@ class TensorDelivery:
         """Serve the file in the consumer's thread: mapped where the load's rule says,
         else read without the engine if it is small or in memory already;
         :attr:`served_as` says how."""
+        if not (self.may_map or self.serves_here):
+            # None is (a load to a device with a backend): its page cache is not measured.
+            return False
         in_memory = self._in_memory(policy, entry.source)
         why = self.map_rule.why_mapped(entry.source, policy, in_memory) if self.may_map else None
         if why is not None:
