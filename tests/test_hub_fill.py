@@ -33,21 +33,28 @@ WORKER = (
 )
 
 
+def run_python(
+    code: str, env: dict[str, str], printed: str, timeout_s: float, hooked: bool = True
+) -> subprocess.CompletedProcess[str]:
+    """``code`` run by a Python of its own (under ``loaderplug run`` where ``hooked``),
+    ``env`` over this process's; it must exit 0 having printed ``printed``."""
+    done = subprocess.run(
+        [*(["loaderplug", "run"] if hooked else []), sys.executable, "-c", code],
+        env={**os.environ, "LOADERPLUG_PROGRESS": "0", **env},
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+    )
+    assert done.returncode == 0 and printed in done.stdout, done.stderr[-3000:]
+    return done
+
+
 def worker(
     hub: HubServer, home: Path, volume: Path | None, **env: str
 ) -> subprocess.CompletedProcess[str]:
-    hooked = ["loaderplug", "run"] if volume is not None else []
     mirror = {"LOADERPLUG_MIRROR": str(volume)} if volume is not None else {}
-    done = subprocess.run(
-        [*hooked, sys.executable, "-c", WORKER],
-        env={**os.environ, **client_env(hub.endpoint, home), "LOADERPLUG_PROGRESS": "0",
-             **mirror, **env},
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )  # fmt: skip
-    assert done.returncode == 0 and "loaded" in done.stdout, done.stderr[-3000:]
-    return done
+    env = {**client_env(hub.endpoint, home), **mirror, **env}
+    return run_python(WORKER, env, "loaded", timeout_s=240, hooked=volume is not None)
 
 
 @pytest.mark.slow("three transformers processes each")
@@ -123,17 +130,9 @@ def exiting_worker(home: Path, volume: Path, **env: str) -> subprocess.Completed
     """The lookup under ``loaderplug run``, offline, with a timeout below the fill's time.
     One reader: an exiting process waits for the reads its kernel has in flight on a
     FUSE mount, and the volume's throttle would queue many behind each other."""
-    done = subprocess.run(
-        ["loaderplug", "run", sys.executable, "-c", LOOKUP],
-        env={**os.environ, "HF_HOME": str(home), "HF_HUB_CACHE": str(home / "hub"),
-             "HF_HUB_OFFLINE": "1", "LOADERPLUG_MIRROR": str(volume),
-             "LOADERPLUG_PROGRESS": "0", "LOADERPLUG_READERS": "1", **env},
-        capture_output=True,
-        text=True,
-        timeout=30,
-    )  # fmt: skip
-    assert done.returncode == 0 and "found True" in done.stdout, done.stderr[-3000:]
-    return done
+    env = {"HF_HOME": str(home), "HF_HUB_CACHE": str(home / "hub"), "HF_HUB_OFFLINE": "1",
+           "LOADERPLUG_MIRROR": str(volume), "LOADERPLUG_READERS": "1", **env}  # fmt: skip
+    return run_python(LOOKUP, env, "found True", timeout_s=30)
 
 
 def assert_nothing_partial(volume: Path, home: Path) -> None:
