@@ -480,7 +480,7 @@ class HubServer(_HubApi):
     def file_requests(self) -> int:
         """How many requests (HEAD or GET) went to a ``/resolve/`` URL."""
         with self._lock:
-            return sum("/resolve/" in urlsplit(path).path for _, path in self.requests)
+            return sum(_is_file_url(path) for _, path in self.requests)
 
     def reset_counts(self) -> None:
         with self._lock:
@@ -495,7 +495,7 @@ class HubServer(_HubApi):
 
     def _delays_download(self, path: str) -> bool:
         with self._lock:
-            if self.delayed_downloads <= 0 or "/resolve/" not in urlsplit(path).path:
+            if self.delayed_downloads <= 0 or not _is_file_url(path):
                 return False
             self.delayed_downloads -= 1
             return True
@@ -549,6 +549,11 @@ class HubServer(_HubApi):
         tb: TracebackType | None,
     ) -> None:
         self.stop()
+
+
+def _is_file_url(path: str) -> bool:
+    """Whether a request's path (and query) is a file's URL: ``/resolve/``."""
+    return "/resolve/" in urlsplit(path).path
 
 
 def client_env(endpoint: str, home: Path) -> dict[str, str]:
