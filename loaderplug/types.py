@@ -78,25 +78,43 @@ class IOPolicy:
 
 @dataclass(frozen=True)
 class Identity:
-    """What must stay the same while a file is copied: size, mtime and inode."""
+    """What must stay the same while a file is read or copied: size, mtime and inode,
+    and where known (0: not known, as for an identity another host sent) the device and
+    the change time, which a rewrite in place that restores the mtime still moves."""
 
     size: int
     mtime_ns: int
     inode: int
+    device: int = 0
+    ctime_ns: int = 0
 
     @staticmethod
     def of(st: os.stat_result) -> Identity:
-        return Identity(st.st_size, st.st_mtime_ns, st.st_ino)
+        return Identity(st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev, st.st_ctime_ns)
 
     def matches(self, other: Identity, *, inode: bool = True) -> bool:
         """Whether ``other`` is the same content as far as can be told: size and mtime,
-        and the inode where the filesystem keeps inode numbers (``inode``; see
-        :attr:`IOPolicy.stable_inodes`)."""
+        and where the filesystem keeps inode numbers (``inode``; see
+        :attr:`IOPolicy.stable_inodes`) the inode, the device and the change time, each
+        where both sides know it. Without stable inodes the change time is not compared
+        either: such a filesystem (FUSE) may make it up at each lookup."""
         same = self.size == other.size and self.mtime_ns == other.mtime_ns
-        return same and (not inode or self.inode == other.inode)
+        if not same or not inode:
+            return same
+        return (
+            self.inode == other.inode
+            and _same_if_known(self.device, other.device)
+            and _same_if_known(self.ctime_ns, other.ctime_ns)
+        )
 
     def describe(self) -> str:
-        return f"size {self.size}, mtime_ns {self.mtime_ns}, inode {self.inode}"
+        known = f", device {self.device}" if self.device else ""
+        known += f", ctime_ns {self.ctime_ns}" if self.ctime_ns else ""
+        return f"size {self.size}, mtime_ns {self.mtime_ns}, inode {self.inode}{known}"
+
+
+def _same_if_known(mine: int, theirs: int) -> bool:
+    return not mine or not theirs or mine == theirs
 
 
 # Granularities filesystems keep modification times at, in ns: NTFS and CIFS (100 ns),

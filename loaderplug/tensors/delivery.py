@@ -42,6 +42,7 @@ from loaderplug.errors import FileError, LoaderplugError
 from loaderplug.jobs.partial import partial_for
 from loaderplug.jobs.plan import FileEntry
 from loaderplug.settings import Settings
+from loaderplug.storage.held import HeldFile
 from loaderplug.storage.mounts import MEMORY_TYPES
 from loaderplug.storage.residency import WARM_FRACTION, cached_fraction
 from loaderplug.tensors.budget import MemoryBudget, device_limit
@@ -57,7 +58,7 @@ from loaderplug.tensors.sinks import (
     PageCacheTensorSink,
     TensorSink,
 )
-from loaderplug.types import FileResult, IOPolicy
+from loaderplug.types import FileResult, Identity, IOPolicy
 from loaderplug.units import MiB
 
 
@@ -98,6 +99,8 @@ class HereFile:
     header: Header
     status: str
     tensors: Callable[[], Iterator[tuple[str, Any]]]
+    # Lets go of what the file holds (its descriptor) if it is never served.
+    release: Callable[[], None] = lambda: None
 
 
 class TensorDelivery:
@@ -154,9 +157,9 @@ class TensorDelivery:
     def prepare(self, entry: FileEntry, policy: IOPolicy, open_source: Opener) -> Sink | None:
         if self.started is None:
             self.started = time.monotonic()
-        header = self._read_header(entry, policy, open_source)
+        header, seen = self._read_header(entry, policy, open_source)
         self.headers[entry.rel] = header
-        if entry.copy_to is None and self._serve_here(entry, policy, header, open_source):
+        if entry.copy_to is None and self._serve_here(entry, policy, header, seen, open_source):
             return None
         rel = entry.rel
 
@@ -174,11 +177,17 @@ class TensorDelivery:
         return TensorSink(header, self.device, emit, self.budget)
 
     def _serve_here(
-        self, entry: FileEntry, policy: IOPolicy, header: Header, open_source: Opener
+        self,
+        entry: FileEntry,
+        policy: IOPolicy,
+        header: Header,
+        seen: Identity,
+        open_source: Opener,
     ) -> bool:
-        """Serve the file in the consumer's thread: mapped where the load's rule says,
-        else read without the engine if it is small or in memory already;
-        :attr:`served_as` says how."""
+        """Serve the file in the consumer's thread: mapped where the load's rule says
+        (the file ``seen`` as its header was read, held open from now on), else read
+        without the engine if it is small or in memory already; :attr:`served_as` says
+        how."""
         if not (self.may_map or self.serves_here):
             # None is (a load to a device with a backend): its page cache is not measured.
             return False
@@ -187,15 +196,18 @@ class TensorDelivery:
         if why is not None:
             self.served_as = f"mapped, {why}"
             path, size = str(entry.source), entry.identity.size
+            # Held from now on: a file renamed over this name before the consumer comes
+            # to it leaves the load the version whose header it read.
+            held = HeldFile.open(path, seen, stable_inodes=policy.stable_inodes)
 
             def mapped() -> MappedTensors:
                 # A cold file's pages are asked for once the consumer comes to it, not
                 # at planning: the page cache holds the files being used, not the model.
                 if not in_memory:
                     prefetch(path, size)
-                return MappedTensors(header)
+                return MappedTensors(header, held)
 
-            self.served_here.append(HereFile(entry.rel, header, "mapped", mapped))
+            self.served_here.append(HereFile(entry.rel, header, "mapped", mapped, held.close))
             return True
         if not self.serves_here or not (in_memory or entry.identity.size < self.small_file):
             return False
@@ -249,12 +261,15 @@ class TensorDelivery:
         cached = cached_fraction(str(path))
         return cached is not None and cached >= WARM_FRACTION
 
-    def _read_header(self, entry: FileEntry, policy: IOPolicy, open_source: Opener) -> Header:
-        """The file's header, retried like any read; a file that changed since it was
-        listed fails here."""
+    def _read_header(
+        self, entry: FileEntry, policy: IOPolicy, open_source: Opener
+    ) -> tuple[Header, Identity]:
+        """The file's header, retried like any read, and the file's identity as it was
+        read; a file that changed since it was listed, or while its header was read,
+        fails here."""
         path = str(entry.source)
 
-        def read() -> Header:
+        def read() -> tuple[Header, Identity]:
             source = open_source(path, policy)
             try:
                 now = source.identity()
@@ -262,13 +277,16 @@ class TensorDelivery:
                     raise FileError(
                         f"{path}: changed since it was listed (now {now.describe()})", path=path
                     )
-                return read_header(source, path)
+                header = read_header(source, path)
+                if not source.identity().matches(now, inode=policy.stable_inodes):
+                    raise FileError(f"{path}: changed while its header was read", path=path)
+                return header, now
             finally:
                 source.close()
 
-        header, retries = retrying(read, self.retry, gives_up(path, "reading the header"))
+        (header, seen), retries = retrying(read, self.retry, gives_up(path, "reading the header"))
         self.retries += retries
-        return header
+        return header, seen
 
     # -- running ------------------------------------------------------------------------
 
@@ -369,7 +387,11 @@ class HandOver(Generator[Event, None, "EngineStats | None"]):
                 here = next(self._here, None)
                 if here is None:
                     return None
-                self._file = (here, here.tensors())
+                try:
+                    self._file = (here, here.tensors())
+                except (LoaderplugError, OSError) as exc:  # its mapping or memory
+                    here.release()
+                    return self._finished(FileResult(here.rel, "failed", reason=str(exc)))
             here, tensors = self._file
             try:
                 item = next(tensors, None)
@@ -455,6 +477,8 @@ class HandOver(Generator[Event, None, "EngineStats | None"]):
         and wait for it; close the file being served here."""
         self._done = True
         self._close_file()
+        for here in self._here:  # never reached: their files go now
+            here.release()
         worker = self._worker
         if worker is None:
             return

@@ -20,7 +20,8 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from loaderplug.engine.reading import READ_PADDING
-from loaderplug.errors import FormatError, LoaderplugError
+from loaderplug.errors import FileError, FormatError, LoaderplugError
+from loaderplug.storage.held import HeldFile
 from loaderplug.tensors.arena import Arena
 from loaderplug.tensors.budget import FileHold, MemoryBudget
 from loaderplug.tensors.dtypes import DTYPES
@@ -280,17 +281,22 @@ class MappedFile:
     """A file's tensors over one private (copy-on-write) mapping of it, as safetensors
     does: they share the page cache's pages until written to, and each gives its pages
     back when it dies (see :mod:`loaderplug.tensors.page_release`). Tensors are taken
-    by name, in any order; ``path`` is the file to map (by default the header's), which
-    must be at least the header's size."""
+    by name, in any order. The file mapped is ``held`` (the descriptor its header was
+    read under, see :mod:`loaderplug.storage.held`), else ``path`` (by default the
+    header's); one shorter than the header says fails here, never in a tensor's view."""
 
-    def __init__(self, header: Header, path: str | None = None) -> None:
+    def __init__(
+        self, header: Header, path: str | None = None, held: HeldFile | None = None
+    ) -> None:
         self._torch = torch_module()
         self.header = header
         self._dtypes = torch_dtypes(header)
         self._by_name = {t.name: t for t in header.tensors}
-        with open(path or header.path, "rb") as f:
-            size = header.size or os.fstat(f.fileno()).st_size
-            mapping = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY) if size else None
+        if held is not None:
+            mapping, size = _map(header, held.fd, held.path)
+        else:
+            with open(path or header.path, "rb") as f:
+                mapping, size = _map(header, f.fileno(), path or header.path)
         self._releaser = PageReleaser(mapping, header, size) if mapping is not None else None
 
     def tensor(self, name: str) -> torch.Tensor:
@@ -310,31 +316,69 @@ class MappedFile:
 
 
 class MappedTensors:
-    """Every tensor of a file, in order, over a :class:`MappedFile`.
+    """Every tensor of a file, in order, over a :class:`MappedFile`; with ``held``, of
+    the file open there, which once every tensor is handed over must still be the file
+    it was when opened (a truncation or a rewrite in place since fails the file).
 
     An iterator object, not a generator: nothing of it refers to a tensor it handed
     over, so a tensor its consumer drops is freed at once."""
 
-    def __init__(self, header: Header) -> None:
-        self._file: MappedFile | None = MappedFile(header)
+    def __init__(self, header: Header, held: HeldFile | None = None) -> None:
+        self._file: MappedFile | None = None
+        self._held = held
         self._names = iter([t.name for t in header.tensors])
+        try:
+            self._file = MappedFile(header, held=held)
+        except BaseException:
+            self.close()
+            raise
 
     def __iter__(self) -> MappedTensors:
         return self
 
     def __next__(self) -> tuple[str, torch.Tensor]:
         name = next(self._names, None)
-        if name is None or self._file is None:
+        held, file = self._held, self._file
+        try:
+            # Before each tensor (an fstat, about a microsecond): one cut short under the
+            # mapping would kill the process that touches it (SIGBUS), one rewritten in
+            # place would mix two versions; and after the last.
+            if held is not None and file is not None:
+                held.check("while its tensors were handed over")
+        except BaseException:
+            self.close()
+            raise
+        if name is None or file is None:
             self.close()
             raise StopIteration
-        return name, self._file.tensor(name)
+        return name, file.tensor(name)
 
     def close(self) -> None:
-        """Give back the pages of every tensor not handed over (idempotent)."""
+        """Give back the pages of every tensor not handed over, and the file (idempotent)."""
         file, self._file = self._file, None
+        held, self._held = self._held, None
         self._names = iter(())
         if file is not None:
             file.close()
+        if held is not None:
+            held.close()
 
     def __del__(self) -> None:
-        self.close()
+        # One whose __init__ failed early lacks what close() reads.
+        if hasattr(self, "_held"):
+            self.close()
+
+
+def _map(header: Header, fd: int, path: str) -> tuple[mmap.mmap | None, int]:
+    """A private mapping of ``header.size`` bytes of the open file ``fd`` (None for an
+    empty header), and its length."""
+    on_disk = os.fstat(fd).st_size
+    size = header.size or on_disk
+    if on_disk < size:
+        raise FileError(
+            f"{path}: ended at {on_disk} bytes, inside its tensors (the header says "
+            f"{header.size}): it was truncated or replaced; load it again once it holds "
+            "still",
+            path=path,
+        )
+    return (mmap.mmap(fd, size, access=mmap.ACCESS_COPY) if size else None), size
