@@ -221,3 +221,9 @@ def is_local_type(fs_type: str) -> bool:
 def is_network_type(fs_type: str) -> bool:
     """Buffered for being remote or userspace, not for living in memory."""
     return is_buffered_type(fs_type) and fs_type not in MEMORY_TYPES
+
+
+def is_fuse_type(fs_type: str) -> bool:
+    """Whether ``fs_type`` is a FUSE filesystem's, whose inode numbers are the kernel's
+    node ids unless its server keeps its own (see ``IOPolicy.stable_inodes``)."""
+    return fs_type in ("fuse", "fuseblk") or fs_type.startswith("fuse.")

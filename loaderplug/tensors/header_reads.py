@@ -27,13 +27,20 @@ def read_header(source: Source, path: str) -> Header:
     return parse_header(path, bytes(raw), size)
 
 
-def read_header_of(path: Path) -> Header:
+def read_header_of(path: Path, fd: int | None = None) -> Header:
     """Read and validate the header of the file at ``path`` (buffered: it is expected in
-    the page cache)."""
+    the page cache), or with ``fd`` of that file open there (by its descriptor, so the
+    header is the file's that is then mapped)."""
+    if fd is not None:
+        return _header_of_fd(str(path), fd)
     with open(path, "rb", buffering=0) as f:
-        size = os.fstat(f.fileno()).st_size
-        n = header_length(str(path), f.read(LENGTH_BYTES), size)
-        raw = f.read(n)
+        return _header_of_fd(str(path), f.fileno())
+
+
+def _header_of_fd(path: str, fd: int) -> Header:
+    size = os.fstat(fd).st_size
+    n = header_length(path, os.pread(fd, LENGTH_BYTES, 0), size)
+    raw = os.pread(fd, n, LENGTH_BYTES)
     if len(raw) < n:
         raise FormatError(f"{path}: file ended inside its header")
-    return parse_header(str(path), raw, size)
+    return parse_header(path, raw, size)

@@ -42,7 +42,8 @@ from loaderplug.jobs.partial import partial_for, read_landed
 from loaderplug.plugins.manager import Plugins
 from loaderplug.settings import Settings
 from loaderplug.storage.mounts import filesystem_type
-from loaderplug.tensors.rank_steps import Steps, by_name, same_files
+from loaderplug.tensors.rank_files import across_hosts, by_name, same_files
+from loaderplug.tensors.rank_steps import Steps
 from loaderplug.types import Identity, IOPolicy
 from loaderplug.units import MiB
 
@@ -116,7 +117,7 @@ class HostExchange:
     def run(self, *, locked: bool = True) -> Exchanged:
         """The exchange; ``locked``: this host holds its local folder's lock (if any
         host does not, none splits)."""
-        same_files(self.steps, self.files, who="the host of rank")
+        same_files(self.steps, self.files, who="the host of rank", identify=across_hosts)
         mine = self._aligned(self._look)
         states = self._states(mine, locked)
         if states is None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import functools
 import logging
 import pickle
-from collections.abc import Callable, Generator, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator
 from pathlib import Path
 from typing import Any, NoReturn, Protocol
 
@@ -162,34 +162,6 @@ def cannot_map(path: Path, exc: Exception) -> Exception:
         raise LoaderplugError(f"cannot map {path.name}: {exc}") from exc
     except LoaderplugError as error:  # raised, so that it carries where it happened
         return error
-
-
-def by_name(files: Sequence[Path]) -> list[Path]:
-    """``files`` in the order every rank agrees on, whatever order each was given them
-    in: by name (a file's name is also its name in a local copy)."""
-    return sorted(files, key=lambda path: (path.name, str(path)))
-
-
-def same_files(steps: Steps, files: Sequence[Path], who: str = "rank") -> None:
-    """Check that every member of ``steps`` loads files of the same names; if not,
-    raise the same error on every member, naming the first that differs from the
-    first member (``who``: how members are called in the message)."""
-    names = [path.name for path in files]
-    said = [step[1] if step is not None else [] for step in steps.exchange(("files", names))]
-    first = said[0]
-    differing = next((member for member, theirs in enumerate(said) if theirs != first), None)
-    if differing is None:
-        return
-    theirs = said[differing]
-    lacks, more = sorted(set(first) - set(theirs)), sorted(set(theirs) - set(first))
-    parts = [f"lacks {', '.join(lacks)}"] if lacks else []
-    parts += [f"also has {', '.join(more)}"] if more else []
-    raise LoaderplugError(
-        f"the ranks of a shared load must load the same files, and {who} "
-        f"{steps.share.global_ranks[differing]} does not: next to rank "
-        f"{steps.share.global_ranks[0]}'s, its list {'; '.join(parts) or 'has some twice'}; "
-        f"pass every rank the same files"
-    )
 
 
 def agreed(steps: Steps, mode: SharingMode) -> SharingMode:

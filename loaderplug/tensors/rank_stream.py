@@ -18,6 +18,7 @@ from loaderplug.tensors.delivery import Idle, TensorDelivery, TensorReady
 from loaderplug.tensors.device_path import DevicePath
 from loaderplug.tensors.header import Header
 from loaderplug.tensors.rank_batches import LandedBatches
+from loaderplug.tensors.rank_files import FileKey, held_as_said
 from loaderplug.tensors.rank_steps import SharedPairs, Steps, cannot_map, each_step
 from loaderplug.tensors.sinks import MappedFile
 
@@ -33,6 +34,7 @@ def by_stream(
     runner: Runner,
     steps: Steps,
     files: list[Path],
+    agreed: list[FileKey],
     local: Path | None,
     delivery: TensorDelivery,
     device: DevicePath,
@@ -48,7 +50,7 @@ def by_stream(
     # rank has one, not when the last does.
     delivery.idle_after_s = STREAM_IDLE_S
     events = runner.run()
-    files_mapped = MappedFiles(files, local, device)
+    files_mapped = MappedFiles(files, agreed, local, device)
     index = {f.name: i for i, f in enumerate(files)}
     told: set[int] = set()  # the files whose header this rank has sent
     pages = ConsumedPages([local / f.name for f in files]) if local is not None else None
@@ -73,8 +75,10 @@ def by_stream(
 class MappedFiles:
     """The other ranks' files as this rank maps them, each on its first tensor."""
 
-    def __init__(self, files: list[Path], local: Path | None, device: DevicePath) -> None:
-        self.files, self.local, self.device = files, local, device
+    def __init__(
+        self, files: list[Path], agreed: list[FileKey], local: Path | None, device: DevicePath
+    ) -> None:
+        self.files, self.agreed, self.local, self.device = files, agreed, local, device
         self.headers: dict[int, Header] = {}
         self._open: dict[int, MappedFile] = {}
 
@@ -88,7 +92,12 @@ class MappedFiles:
         published (renamed into place), the copy; else the file being read."""
         header = self.headers[index]
         if self.local is None:
-            return MappedFile(header, str(self.files[index]))
+            # The file the ranks agreed on, whatever its name leads to by now.
+            held = held_as_said(self.files[index], self.agreed[index], "the ranks agreed on")
+            try:
+                return MappedFile(header, held=held)
+            finally:
+                held.close()  # the mapping keeps the file
         return open_copy(self.local / self.files[index].name, lambda p: MappedFile(header, str(p)))
 
     def close(self) -> None:

@@ -54,18 +54,11 @@ from loaderplug.tensors.load import Load
 from loaderplug.tensors.load_plan import load_plan
 from loaderplug.tensors.rank_batches import STREAM_BATCH, LandedBatches
 from loaderplug.tensors.rank_broadcast import by_broadcast, data_group
+from loaderplug.tensors.rank_files import FileKey, by_name, same_files
 from loaderplug.tensors.rank_mode import SharingMode, owners, rank_part, sharing_mode
 from loaderplug.tensors.rank_pagecache import by_page_cache
 from loaderplug.tensors.rank_share import Share, World, share_for, watch, world_of
-from loaderplug.tensors.rank_steps import (
-    SharedPairs,
-    Steps,
-    agreed,
-    by_name,
-    free_groups,
-    same_files,
-    tear_down,
-)
+from loaderplug.tensors.rank_steps import SharedPairs, Steps, agreed, free_groups, tear_down
 from loaderplug.tensors.rank_stream import by_stream
 
 __all__ = [
@@ -137,7 +130,7 @@ def _shared_pairs(
     steps = Steps(share, watch(share))
     groups = [share.group]
     try:
-        same_files(steps, files)
+        keys = same_files(steps, files)  # the files each rank loads, the same on all
         owner = owners(_sizes(files, steps), share.size)
         mine = [f for f, r in zip(files, owner, strict=True) if r == share.rank]
         mode = agreed(steps, sharing_mode(files, device.device, local, settings))
@@ -149,7 +142,7 @@ def _shared_pairs(
         runner, delivery = _own_load(mine, device, settings, local, mode, steps)
         if mode == "broadcast":
             groups.append(data_group(steps, device))
-        pairs = _pairs(mode, runner, delivery, steps, files, local, device, groups[-1])
+        pairs = _pairs(mode, runner, delivery, steps, files, keys, local, device, groups[-1])
         handed = FirstHandedOver(pairs)
         yield from handed
     finally:
@@ -198,16 +191,20 @@ def _pairs(
     delivery: TensorDelivery,
     steps: Steps,
     files: list[Path],
+    agreed: list[FileKey],
     local: Path | None,
     device: DevicePath,
     group: Any,
 ) -> SharedPairs:
-    """Every tensor of the load on this rank, shared as ``mode`` says."""
+    """Every tensor of the load on this rank, shared as ``mode`` says (``agreed``: the
+    files as the ranks agreed on them)."""
     if mode == "pagecache":
-        final = [local / f.name if local is not None else f for f in files]
-        return by_page_cache(runner, steps, files, final, device)
+        if local is None:
+            return by_page_cache(runner, steps, files, files, device, agreed)
+        final = [local / f.name for f in files]
+        return by_page_cache(runner, steps, files, final, device, None)
     if mode == "stream":
-        return by_stream(runner, steps, files, local, delivery, device)
+        return by_stream(runner, steps, files, agreed, local, delivery, device)
     return by_broadcast(runner, steps, device, group)
 
 
