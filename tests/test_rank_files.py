@@ -63,3 +63,35 @@ def test_ranks_given_the_same_file_by_two_paths_share_it(tmp_path: Path) -> None
         assert out.get("error") is None, out
         assert out["tensors"] == expected(actor)
     assert set(outs[0]["owners"].values()) == {0, 1}
+
+
+@pytest.mark.distributed
+@pytest.mark.slow("two ranks, processes that import torch")
+def test_hosts_whose_files_differ_only_in_layout_each_load_their_own(tmp_path: Path) -> None:
+    """Two hosts' mirrors hold a file of one name, size and mtime but another layout
+    (a transposed tensor): the hosts do not split the reads, and each rank gets its
+    own file's tensors."""
+    from safetensors.torch import save_file
+
+    files = []
+    for host, shape in enumerate([(256, 512), (512, 256)]):
+        path = tmp_path / f"mirror{host}" / "model.safetensors"
+        path.parent.mkdir()
+        save_file({"w": torch.full(shape, float(host + 1))}, str(path))
+        os.utime(path, ns=(1_700_000_000 * 10**9, 1_700_000_000 * 10**9))
+        files.append(path)
+    assert files[0].stat().st_size == files[1].stat().st_size
+    per_rank = {
+        rank: {
+            "LOADERPLUG_HOST_ID": f"host{rank}",
+            "RANK_LOCAL_DIR": str(tmp_path / f"local{rank}"),
+            "RANK_FILES": str(files[rank]),
+        }
+        for rank in range(2)
+    }
+    outs, _ = run_ranks(tmp_path, files[:1], 2, {"LOADERPLUG_HOST_SPLIT": "on"}, per_rank)
+    for rank, out in enumerate(outs):
+        assert out.get("error") is None, out
+        assert out["tensors"] == expected([files[rank]])
+        assert not out["hosts"]["split"], out["hosts"]
+        assert "header" in out["hosts"]["why"], out["hosts"]

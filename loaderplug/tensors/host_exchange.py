@@ -68,6 +68,9 @@ class HostFile:
     mtime_ns: int
     current: bool  # the local copy is current: nothing to write
     landed: tuple[tuple[int, int], ...]  # durable in a partial copy a killed run left
+    # The SHA-256 of its header: two hosts' mirrors holding files of one size and mtime
+    # but another layout are told apart before any span is exchanged.
+    header_digest: str = ""
 
     def has(self, span: Span) -> bool:
         return self.current or Landed(self.landed).covers(span.offset, span.length)
@@ -117,7 +120,7 @@ class HostExchange:
     def run(self, *, locked: bool = True) -> Exchanged:
         """The exchange; ``locked``: this host holds its local folder's lock (if any
         host does not, none splits)."""
-        same_files(self.steps, self.files, who="the host of rank", identify=across_hosts)
+        same_files(self.steps, self.files, who="the host of rank", identify=None)
         mine = self._aligned(self._look)
         states = self._states(mine, locked)
         if states is None:
@@ -159,14 +162,15 @@ class HostExchange:
             current = is_current_copy(dst, identity)
             landed = None if current else read_landed(dst, identity)
             ranges = landed.ranges if landed is not None else ()
-            looked.append(HostFile(identity.size, identity.mtime_ns, current, ranges))
+            digest = str(across_hosts(path)[1])
+            looked.append(HostFile(identity.size, identity.mtime_ns, current, ranges, digest))
         return looked
 
     def _states(self, mine: list[HostFile], locked: bool) -> list[list[HostFile]] | None:
         """Every host's files; None (not split, :attr:`Exchanged.not_split` says why)
         where a host's local folder is locked by another job, or the hosts' mirrors do
-        not hold the same files (size and modification time): each host then loads its
-        own, as it would alone."""
+        not hold the same files (size, modification time and header): each host then
+        loads its own, as it would alone."""
         said = self.steps.exchange(("files", (mine, locked)))
         states: list[list[HostFile]] = [s[1][0] for s in said if s is not None]
         unlocked = [h for h, s in enumerate(said) if s is not None and not s[1][1]]
@@ -177,10 +181,14 @@ class HostExchange:
             )
             return None
         for index, path in enumerate(self.files):
-            seen = {(host[index].size, host[index].mtime_ns) for host in states}
+            seen = {
+                (host[index].size, host[index].mtime_ns, host[index].header_digest[:12])
+                for host in states
+            }
             if len(seen) > 1:
                 self.done.not_split = (
-                    f"{path.name} differs between the hosts' mirrors (size, mtime: {sorted(seen)})"
+                    f"{path.name} differs between the hosts' mirrors (size, mtime, header "
+                    f"sha256: {sorted(seen)})"
                 )
                 return None
         return states

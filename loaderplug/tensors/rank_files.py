@@ -4,11 +4,13 @@ each file is.
 Ranks that share a load split its files by name and hand each other's tensors over, so
 two ranks given different files under one name (an actor and a reward model, both
 ``model-00001-of-00002.safetensors``) would silently get each other's tensors. Before
-sharing, every member says each file's name and identity as it sees it: on one host the
-device, inode, size, mtime and ctime (the same file is the same inode); across hosts,
-which see the mirror through mounts of their own, the size and a digest of the header.
-Files that differ fail the load on every member, saying which member holds which file:
-never a silent swap, never a hang. It is one exchange per load.
+sharing, the ranks of a host say each file's name and identity as each sees it (the
+device, inode, size, mtime and ctime: the same file is the same inode), in one exchange
+per load; files that differ fail the load on every rank, saying which rank holds which
+file: never a silent swap, never a hang. Hosts, which see the mirror through mounts of
+their own, agree on the names here and compare each file's size, mtime and header
+digest (:func:`across_hosts`) where they decide whether to split the reads
+(:mod:`loaderplug.tensors.host_exchange`): hosts whose files differ each load their own.
 """
 
 from __future__ import annotations
@@ -82,15 +84,16 @@ def same_files(
     steps: Steps,
     files: Sequence[Path],
     who: str = "rank",
-    identify: Callable[[Path], FileKey] = on_this_host,
+    identify: Callable[[Path], FileKey] | None = on_this_host,
 ) -> list[FileKey]:
     """Check that every member of ``steps`` loads the same files: of the same names and,
-    by ``identify``, the same files under each name; if not, raise the same error on
-    every member, naming the first member that differs from the first (``who``: how
-    members are called in the message). Returns each file's key, as every member has
-    it. A file this member cannot look at fails the load on every member."""
+    by ``identify`` (None: by name only), the same files under each name; if not, raise
+    the same error on every member, naming the first member that differs from the
+    first (``who``: how members are called in the message). Returns each file's key,
+    as every member has it. A file this member cannot look at fails the load on every
+    member."""
     try:
-        keys = [identify(path) for path in files]
+        keys = [identify(path) if identify is not None else () for path in files]
     except LoaderplugError as exc:
         steps.fail(exc)
     said = steps.exchange(("files", [(p.name, k) for p, k in zip(files, keys, strict=True)]))
