@@ -22,7 +22,8 @@ import pytest
 import loaderplug
 from loaderplug.devices.pinned import pool_of
 from loaderplug.testing.fake_device import FakeDevice, FakeDevicePlugin
-from tests.helpers.hunt import CHANGES, run_trial, write_versions, wrong_tensors
+from tests.helpers.hunt import CHANGES, Versions, run_trial, write_versions, wrong_tensors
+from tests.helpers.ranks import run_ranks
 
 pytest.importorskip("torch")
 pytest.importorskip("safetensors")
@@ -103,3 +104,58 @@ def test_a_file_changed_mid_load_gives_one_whole_version_or_a_clear_error(
         if wrong:
             failures.append(f"trial {trial} (HUNT_SEED={SEED}): {'; '.join(wrong)}")
     assert not failures, f"{path}, a file {change}d mid-load:\n" + "\n".join(failures)
+
+
+def _recorded(tensors: dict[str, Any]) -> dict[str, list[Any]]:
+    """Tensors as a rank records them (tests/helpers/rank_load.py): dtype, shape, crc32."""
+    import torch
+
+    out = {}
+    for name, t in tensors.items():
+        raw = t.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+        out[name] = [str(t.dtype).removeprefix("torch."), list(t.shape), zlib.crc32(raw)]
+    return out
+
+
+def _wrong_on_rank(out: dict[str, Any], versions: Versions) -> list[str]:
+    """What is wrong with what one rank of a shared load handed over (see
+    :func:`tests.helpers.hunt.wrong_tensors`)."""
+    if "exit" in out:
+        return [f"exited {out['exit']} without a loaderplug error: {out['stderr'][-400:]}"]
+    wrong = []
+    for path in versions.paths:
+        versions_of = [_recorded(versions.first[path.name]), _recorded(versions.second[path.name])]
+        taken = {n: t for n, t in out["tensors"].items() if n in versions_of[0]}
+        if out.get("error") is None and set(taken) != set(versions_of[0]):
+            wrong.append(f"{path.name}: not every tensor handed over")
+        elif not any(all(v[n] == t for n, t in taken.items()) for v in versions_of):
+            wrong.append(f"{path.name}: tensors of neither version or of both")
+    return wrong
+
+
+@pytest.mark.distributed
+@pytest.mark.slow("two ranks a trial, processes that import torch")
+@pytest.mark.parametrize("sharing", ["pagecache", "stream", "broadcast"])
+def test_a_file_replaced_mid_shared_load_gives_every_rank_one_whole_version_or_an_error(
+    tmp_path: Path, sharing: str
+) -> None:
+    """Ranks sharing a load, one of which has a file renamed over at a random tensor
+    (the others may be mapping it, or about to)."""
+    seed = SEED ^ zlib.crc32(f"ranks/{sharing}".encode())
+    failures = []
+    for trial in range(TRIALS):
+        rng = random.Random(seed + trial)
+        folder = tmp_path / f"trial{trial}"
+        versions = write_versions(folder / "model", rng)
+        total = sum(len(v) for v in versions.first.values())
+        victim, rank = rng.choice(versions.paths), rng.randrange(2)
+        staged = victim.with_name(victim.name + ".landing")
+        os.link(str(victim) + ".next", staged)
+        at = rng.randint(1, total)
+        per_rank = {rank: {"RANK_REPLACE": f"{at}:{victim}:{staged}"}}
+        env = {"LOADERPLUG_RANK_SHARING": sharing, "LOADERPLUG_LOCAL_COPIES": str(folder)}
+        outs, _ = run_ranks(folder, versions.paths, 2, env, per_rank, timeout_s=120)
+        for r, out in enumerate(outs):
+            for wrong in _wrong_on_rank(out, versions):
+                failures.append(f"trial {trial} (HUNT_SEED={SEED}) rank {r}: {wrong}")
+    assert not failures, f"{sharing}, a file replaced mid-load:\n" + "\n".join(failures)

@@ -173,7 +173,15 @@ class TensorDelivery:
         pages = self._shared_pages(entry, policy)
         if pages is not None:
             self._in_page_cache.add(rel)
-            return PageCacheTensorSink(header, emit, pages)
+            # A file read in place is mapped as the header saw it; the copy a one pass
+            # writes is the load's own.
+            read_in_place = entry.copy_to is None
+            held = (
+                HeldFile.open(pages, seen, stable_inodes=policy.stable_inodes)
+                if read_in_place
+                else None
+            )
+            return PageCacheTensorSink(header, emit, pages, held)
         return TensorSink(header, self.device, emit, self.budget)
 
     def _serve_here(

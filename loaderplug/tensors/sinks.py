@@ -245,16 +245,22 @@ class PageCacheTensorSink(_CoveredSink):
     pages are the tensors', and stay theirs once the copy is renamed into place.
     """
 
-    def __init__(self, header: Header, emit: Emit, path: str) -> None:
+    def __init__(self, header: Header, emit: Emit, path: str, held: HeldFile | None = None) -> None:
         self.header = header
         self.emit = emit
         self.path = path  # the file to map: the one read, or the copy being written
+        self._held = held  # the file read, as its header saw it
         self._coverage = Coverage(header)
         self._file: MappedFile | None = None
         self._lock = threading.Lock()
 
     def prepare(self) -> None:
-        self._file = MappedFile(self.header, self.path)
+        held, self._held = self._held, None
+        try:
+            self._file = MappedFile(self.header, self.path, held)
+        finally:
+            if held is not None:
+                held.close()  # the mapping keeps the file
         for t in self.header.tensors:
             if not t.nbytes:
                 self.emit(t.name, self._file.tensor(t.name))

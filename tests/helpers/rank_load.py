@@ -17,7 +17,8 @@ whose memory is the host's: its tensors are recorded by their bytes), RANK_GROUP
 passed: the default group is found), RANK_VOLUME (what "{volume}" in a FILE stands for:
 this rank's mount of the mirror), RANK_FILES (this rank's files instead of FILE...,
 joined by os.pathsep: ranks passing the same files in another order, or other files),
-and every LOADERPLUG_* setting. INIT_FILE "env" joins
+RANK_REPLACE ("N:PATH:NEW": once this rank took N tensors, NEW is renamed over PATH,
+as a download lands a new version), and every LOADERPLUG_* setting. INIT_FILE "env" joins
 by torchrun's variables (RANK, WORLD_SIZE, MASTER_ADDR, ...), RANK and WORLD ignored.
 Prints {"tensors":
 {name: [dtype, shape, crc32]}, "reads": {file: bytes read through the source hook},
@@ -109,6 +110,7 @@ def main() -> int:
     die_at = float(os.environ.get("RANK_DIE_AT_S", "0"))
     consumer_sleep = float(os.environ.get("RANK_CONSUMER_SLEEP_S", "0"))
     tensor_sleep = float(os.environ.get("RANK_TENSOR_SLEEP_S", "0"))
+    replace = os.environ["RANK_REPLACE"].split(":") if os.environ.get("RANK_REPLACE") else None
     if die_at:
         threading.Timer(die_at, die).start()
     if os.environ.get("RANK_MAP_FAIL"):
@@ -136,6 +138,8 @@ def main() -> int:
                 out["tensors"][name] = [dtype, list(tensor.shape), tensor.device.type]  # type: ignore[index]
             if die_after and n >= die_after:
                 os._exit(9)
+            if replace and n == int(replace[0]):
+                os.replace(replace[2], replace[1])
             if consumer_sleep and n == 1:
                 time.sleep(consumer_sleep)
             time.sleep(tensor_sleep)
