@@ -102,12 +102,14 @@ def unmeasured_rows(deployment: Deployment, links: tuple[float, ...]) -> list[st
     disk instead (nothing is assumed of the link)."""
     alone = deployment.side_by_side_s()
     fixed = deployment.fixed_parts_s()
-    floor = max(fixed.values())
     rows = []
     for link in links:
         link_gib = link * 1e9 / 8 / GIB
+        # The exchange at the whole link is a bound too: on a slow link it is above the
+        # volume's and the disk's, and the split goes no lower than the largest of them.
+        floor = max(*fixed.values(), deployment.exchange_gib() / link_gib)
         pays = deployment.exchange_gib() / (alone * link_gib)
-        bound = deployment.exchange_gib() / (floor * link_gib)
+        bound = deployment.exchange_gib() / (max(fixed.values()) * link_gib)
         best = "never pays" if floor >= alone else f"> {pays:.1%} of the link"
         limit = max(fixed, key=lambda k: fixed[k])
         bound_by = (

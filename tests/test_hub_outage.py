@@ -45,6 +45,14 @@ WORKER = (
         ("/gpt2/resolve/main/config.json", ("model", "gpt2")),
         ("/datasets/acme/data/resolve/main/x.csv", ("dataset", "acme/data")),
         ("/api/whoami-v2", None),
+        # A repo, a revision or a folder named like a verb: known by the URL's shape.
+        ("/api/models/org/resolve", ("model", "org/resolve")),
+        ("/api/models/org/resolve/revision/main", ("model", "org/resolve")),
+        ("/api/models/gpt2/resolve/main/config.json", ("model", "gpt2")),
+        ("/api/models/gpt2/revision/refs/pr/1", ("model", "gpt2")),
+        ("/org/resolve/resolve/main/config.json", ("model", "org/resolve")),
+        ("/spaces/org/resolve/resolve/main/app.py", ("space", "org/resolve")),
+        ("/acme/llama/blob/main/resolve/x.json", None),
     ],
 )
 def test_each_hub_request_is_known_by_its_repo(path: str, repo: tuple[str, str] | None) -> None:
@@ -75,6 +83,49 @@ def test_only_what_is_asked_about_a_repo_is_guarded(
     method: str, path: str, repo: tuple[str, str] | None
 ) -> None:
     assert asks_about(method, path) == repo
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "repo"),
+    [
+        # The info of a repo named resolve, at a revision and at its head: asked about.
+        ("GET", "/api/models/org/resolve/revision/main", ("model", "org/resolve")),
+        ("GET", "/api/models/org/resolve", ("model", "org/resolve")),
+        ("GET", "/api/datasets/org/resolve/tree/main", ("dataset", "org/resolve")),
+        # A listing of a folder named resolve: asked about.
+        ("GET", "/api/models/acme/llama/tree/main/resolve", ("model", "acme/llama")),
+        ("GET", "/api/models/acme/llama/tree/main/resolve/sub", ("model", "acme/llama")),
+        ("POST", "/api/models/acme/llama/paths-info/main/resolve", ("model", "acme/llama")),
+        # A file of the repo named resolve: its metadata asked about, its content not.
+        ("HEAD", "/org/resolve/resolve/main/config.json", ("model", "org/resolve")),
+        ("GET", "/org/resolve/resolve/main/config.json", None),
+        ("GET", "/api/models/org/resolve/resolve/main/config.json", None),
+        # A file in a folder named resolve, of a repo of one part and of two.
+        ("GET", "/acme/llama/resolve/main/resolve/config.json", None),
+        ("HEAD", "/gpt2/resolve/main/resolve/config.json", ("model", "gpt2")),
+    ],
+)
+def test_a_download_is_known_by_its_url_shape_not_by_a_resolve_in_it(
+    method: str, path: str, repo: tuple[str, str] | None
+) -> None:
+    assert asks_about(method, path) == repo
+
+
+@pytest.mark.parametrize(
+    ("path", "held", "repo"),
+    [
+        # A revision named like a verb, of a one-part repo: read as the repo held.
+        ("/api/models/gpt2/revision/tag/main", {"gpt2"}, ("model", "gpt2")),
+        ("/api/models/gpt2/revision/tag/main", {"gpt2/revision"}, ("model", "gpt2/revision")),
+        # A repo the mirror does not hold is never guarded, however it reads.
+        ("/api/models/org/resolve/revision/main", {"org"}, None),
+        ("/api/models/org/resolve/revision/main", set(), None),
+    ],
+)
+def test_a_path_that_reads_two_ways_is_read_as_the_repo_the_mirror_holds(
+    path: str, held: set[str], repo: tuple[str, str] | None
+) -> None:
+    assert asks_about("GET", path, lambda _type, repo_id: repo_id in held) == repo
 
 
 def worker(
@@ -205,3 +256,11 @@ def test_a_hung_request_about_a_repo_is_cut_at_the_timeout(hooked: HubServer) ->
     # From then on the repo is asked nothing: huggingface_hub is told it is offline.
     again = finishes(lambda: api.model_info(SLOW))
     assert isinstance(again, huggingface_hub.errors.OfflineModeIsEnabled), repr(again)
+
+
+def test_the_mirror_is_not_looked_at_for_a_download_or_an_upload() -> None:
+    def holds(repo_type: str, repo_id: str) -> bool:
+        raise AssertionError(f"the mirror looked at for {repo_type} {repo_id}")
+
+    assert asks_about("GET", "/acme/llama/resolve/main/model.safetensors", holds) is None
+    assert asks_about("POST", "/api/models/acme/llama/commit/main", holds) is None

@@ -5,6 +5,7 @@ buffers from load to load."""
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -16,12 +17,17 @@ from loaderplug.testing.fake_device import FakeDevice, FakeDevicePlugin
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("safetensors.torch")
+from loaderplug.tensors.device_path import DevicePath  # noqa: E402
+from loaderplug.tensors.device_sink import DeviceTensorSink  # noqa: E402
+from loaderplug.tensors.header_reads import read_header_of  # noqa: E402
 from loaderplug.tensors.reader import iter_tensors  # noqa: E402
 from tests.helpers.tensors import STREAMED, reference, same  # noqa: E402
 
 # 4 KiB spans through 16 KiB of pinned memory: each buffer is lent many times over.
 SMALL = {**STREAMED, "bytes_in_flight": "16K"}
 LOADS = 6
+# Bytes in flight of one 4 KiB buffer: a load that finds it lent for good waits forever.
+LONE = {**STREAMED, "bytes_in_flight": "4K"}
 
 
 def still_pinned(device: FakeDevice) -> int:
@@ -74,3 +80,50 @@ def test_a_backend_whose_pool_is_kept_reuses_its_buffers_from_load_to_load(
     assert kept.lent == 0
     release_pinned_memory()
     assert still_pinned(device) == 0
+
+
+def a_reader_left_behind(shard: Path, device: FakeDevice) -> DeviceTensorSink:
+    """A file's sink whose reader still holds its pinned buffer (4 KiB) when the load
+    ends: a second Ctrl-C stopped the load waiting for its readers, so the file was
+    aborted and the load let go of its pool with the buffer still lent."""
+    path = DevicePath("cuda:0", device)
+    sink = DeviceTensorSink(read_header_of(shard), path, lambda name, tensor: None, 4096)
+    sink.prepare()
+    sink.place(0, 4096, threading.Event())
+    sink.abort()  # the file unfinished: its reader's buffer stays lent
+    path.release()  # the load is over
+    return sink
+
+
+def test_a_buffer_given_back_after_the_load_let_go_of_its_pool_is_the_pools_again(
+    shards: list[Path], register_plugin: Any
+) -> None:
+    device = FakeDevice(delay_s=0.0)
+    register_plugin(FakeDevicePlugin(device))
+    kept = pool_of(device)
+    sink = a_reader_left_behind(shards[0], device)
+    assert kept.lent == 1
+    sink.placed_read_done(0)  # the reader, done at last, gives its buffer back
+    assert kept.lent == 0
+    # A later load whose bytes in flight are that one buffer's gets it, not a full pool.
+    later: list[dict[str, Any]] = []
+    loader = threading.Thread(
+        target=lambda: later.append(dict(iter_tensors(shards, "cuda", **LONE))), daemon=True
+    )
+    loader.start()
+    loader.join(60)  # a guard against a hang, not a measure: a blocked load never ends
+    assert later, "the later load is still waiting for pinned memory"
+    expected = reference(shards)
+    assert all(same(later[0][name], tensor) for name, tensor in expected.items())
+    assert kept.lent == 0 and device.record_of.misuses == []
+
+
+def test_a_buffer_given_back_after_its_pool_was_let_go_of_is_unpinned(
+    shards: list[Path],
+) -> None:
+    device = FakeDevice(delay_s=0.0)  # a backend made for one load: nothing keeps its pool
+    sink = a_reader_left_behind(shards[0], device)
+    assert still_pinned(device) == 1
+    sink.placed_read_done(0)
+    assert still_pinned(device) == 0
+    assert device.record_of.misuses == []

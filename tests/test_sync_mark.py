@@ -12,15 +12,19 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from loaderplug import MirrorError, hydrate, sync
 from loaderplug.engine.retry import RetryPolicy
 from loaderplug.jobs.sync_mark import MARK_NAME, SyncMark, read_mark, wait_for_sync
+from loaderplug.plugins.hookspecs import hookimpl
+from loaderplug.storage.source import PosixSource
 from loaderplug.testing import slowed
 from loaderplug.testing.model import write_model
 from loaderplug.testing.volume import Fault, TestVolume, VolumeProfile, mounted
+from loaderplug.types import IOPolicy
 from loaderplug.units import MiB
 from tests.conftest import FAST, leftover_temps, tree_bytes
 
@@ -34,13 +38,13 @@ def start_sync(local: Path, mirror: Path, delay_s: float) -> subprocess.Popen[st
     return slowed.start(args, delay_s, env)
 
 
-def wait_until(condition: object, timeout_s: float = 30) -> None:
+def wait_until(condition: object, timeout_s: float = 30, waiting_for: str = "") -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if condition():  # type: ignore[operator]
             return
         time.sleep(0.02)
-    raise AssertionError("timed out")
+    raise AssertionError(f"timed out waiting for {waiting_for}" if waiting_for else "timed out")
 
 
 @pytest.mark.slow("kills a sync in a process of its own")
@@ -179,16 +183,19 @@ def test_an_abandoned_mark_is_written_whole(tmp_path: Path) -> None:
     assert sorted(p.name for p in mirror.iterdir()) == [MARK_NAME]
 
 
-# Reads of the mark (the volume's faults fire on read requests of paths they match).
-MARK_READS = f"*{MARK_NAME}"
+# The mark, by name (the volume's faults fire on requests of paths they match).
+MARK_PATHS = f"*{MARK_NAME}"
 TRANSIENT = [errno.ESTALE, errno.EIO, errno.ENOMEM]
 
 
 @contextlib.contextmanager
-def faulty_mirror(tmp_path: Path, error: int, times: int | None) -> Iterator[TestVolume]:
-    """A volume whose first ``times`` reads of a sync mark (None: all) fail with ``error``."""
+def faulty_mirror(
+    tmp_path: Path, error: int, times: int | None, ops: tuple[str, ...] = ("read",)
+) -> Iterator[TestVolume]:
+    """A volume whose first ``times`` requests (None: all) of the operations ``ops`` on a
+    sync mark fail with ``error``: its reads by default."""
     (tmp_path / "backing").mkdir()
-    profile = VolumeProfile(faults=(Fault(error, path_glob=MARK_READS, limit=times),))
+    profile = VolumeProfile(faults=(Fault(error, path_glob=MARK_PATHS, limit=times, ops=ops),))
     with mounted(tmp_path / "backing", tmp_path / "mnt", profile) as vol:
         yield vol
 
@@ -271,3 +278,62 @@ def test_a_failed_syncs_mark_read_through_transient_errors_is_refused(
         with pytest.raises(MirrorError, match=r"worker-7 pid 42.*failed while writing"):
             hydrate(mirror, tmp_path / "local", **FAST)
         assert vol.stats()["faults_injected"] == 2
+
+
+class Gated:
+    """A plugin whose sources read nothing until ``gate`` is set: a sync held open, its
+    mark taken and refreshed, for as long as a test needs."""
+
+    def __init__(self) -> None:
+        self.gate = threading.Event()
+
+    @hookimpl
+    def loaderplug_open_source(self, path: str, policy: IOPolicy) -> PosixSource:
+        gate = self.gate
+
+        class GatedSource(PosixSource):
+            def pread_into(self, buf: memoryview, offset: int) -> int:
+                gate.wait()
+                return super().pread_into(buf, offset)
+
+        return GatedSource(path, policy)
+
+
+# Failed touches of the mark: with two attempts a touch, more than a whole refresh gives
+# up (the kernel tries a path again once on ESTALE, so a touch may take two of them).
+TOUCH_FAULTS = 5
+TWO_ATTEMPTS = {**FAST, "retry_attempts": 2, "sync_stale_s": 2}
+
+
+@pytest.mark.fuse
+@pytest.mark.slow("holds a sync open through several refreshes of its mark")
+@pytest.mark.parametrize("error", [errno.ESTALE, errno.EIO], ids=errno.errorcode.get)
+def test_a_sync_keeps_its_mark_through_transient_errors_touching_it(
+    model: Path, tmp_path: Path, error: int, register_plugin: Any
+) -> None:
+    """A touch of the mark that fails (a stale NFS handle, EIO) is no lost mark: the sync
+    refreshes it on, a hydrate meanwhile finds a live sync, and the sync ends whole."""
+    held = register_plugin(Gated())
+    with faulty_mirror(tmp_path, error, TOUCH_FAULTS, ops=("utimens",)) as vol:
+        mirror = vol.mountpoint / "synced"
+        reports: list[Any] = []
+        syncing = threading.Thread(
+            target=lambda: reports.append(sync(model, mirror, **TWO_ATTEMPTS))
+        )
+        syncing.start()
+        try:
+            touches = "the mark touched until every fault fired"
+            wait_until(lambda: vol.stats()["faults_injected"] == TOUCH_FAULTS, 30, touches)
+            after_errors = (mirror / MARK_NAME).stat().st_mtime_ns
+            # Touched again after every fault fired: its heart beats on.
+            touched = "the mark touched after the faults"
+            wait_until(lambda: (mirror / MARK_NAME).stat().st_mtime_ns > after_errors, 30, touched)
+            with pytest.raises(MirrorError, match="still writing this mirror"):
+                wait_for_sync(mirror, wait_s=0, stale_s=2)
+        finally:
+            held.gate.set()
+            syncing.join(60)
+        assert reports and reports[0].ok
+        assert not (mirror / MARK_NAME).exists()
+        hydrate(mirror, tmp_path / "local", **FAST, sync_wait_s=0)
+    assert tree_bytes(tmp_path / "local") == tree_bytes(model)

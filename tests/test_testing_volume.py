@@ -59,6 +59,7 @@ def test_profile_json_roundtrip() -> None:
         faults=(
             Fault(errno.EIO, rate=0.5, path_glob="a*", limit=2),
             Fault(errno.ENOMEM, max_inflight=4, after_bytes=10),
+            Fault(errno.ESTALE, path_glob="*.mark", ops=("utimens", "getattr")),
         ),
         replace=(Replace("x.bin", 5, "/tmp/y.bin"),),
         seed=7,
@@ -78,12 +79,29 @@ def test_profile_json_roundtrip() -> None:
     assert VolumeProfile.object_store(4).faults[0].max_inflight == 4
     with pytest.raises(ValueError):
         Fault(errno.EIO, rate=1.5)
+    with pytest.raises(ValueError, match=r"Fault\.ops"):
+        Fault(errno.EIO, ops=("touch",))
+    with pytest.raises(ValueError, match=r"Fault\.ops"):
+        Fault(errno.EIO, ops=())
     with pytest.raises(ValueError):
         Replace("x", 0, "relative/path")
     with pytest.raises(ValueError, match="inode_numbers"):
         VolumeProfile(inode_numbers="sometimes")
     with pytest.raises(ValueError, match="stale_handles"):
         VolumeProfile(stale_handles=2.0)
+
+
+def test_a_fault_fires_only_on_the_operations_it_names() -> None:
+    from loaderplug.testing.faults import FaultPicker
+
+    touch = Fault(errno.ESTALE, path_glob="*.mark", ops=("utimens",), limit=2)
+    picker = FaultPicker([touch, Fault(errno.EIO, path_glob="*.bin")])
+    assert picker.ops == {"utimens", "read"}
+    assert picker.pick("m/.mark", 0, 0, "read") is None  # the touch fault spares reads
+    assert picker.pick("m/.mark", 0, 0, "getattr") is None
+    assert picker.pick("m/x.bin", 0, 1, "utimens") is None  # a read fault spares touches
+    assert picker.pick("m/x.bin", 0, 1) is not None  # reads by default
+    assert [picker.pick("m/.mark", 0, 0, "utimens") for _ in range(3)] == [touch, touch, None]
 
 
 def test_why_fuse_is_unavailable_is_said(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -228,6 +246,63 @@ def test_fault_limit_injects_exactly_n(dirs: tuple[Path, Path], err: int) -> Non
         stats = vol.stats()
     assert failures == [err] * 3
     assert stats["faults_injected"] == 3
+
+
+# Each operation a fault can fail besides reads, and the file its fault names.
+FAULTED = {op: f"{op}.mark" for op in ("utimens", "getattr", "open", "create", "write", "fsync")}
+FAULTED |= {"rename": "rename.mark", "unlink": "unlink.mark"}
+
+
+@pytest.mark.fuse
+@pytest.mark.parametrize("err", [errno.ESTALE, errno.EIO])
+def test_faults_on_metadata_writes_and_opens_fail_those_requests_alone(
+    dirs: tuple[Path, Path], err: int
+) -> None:
+    backing, mnt = dirs
+    there = {op: name for op, name in FAULTED.items() if op != "create"}  # made in the test
+    data = {name: _write_random(backing / name, 4096) for name in there.values()}
+    faults = tuple(Fault(err, path_glob=name, ops=(op,)) for op, name in FAULTED.items())
+    at = {op: mnt / name for op, name in FAULTED.items()}
+    with mounted(backing, mnt, VolumeProfile(faults=faults)) as vol:
+        with pytest.raises(OSError) as touched:
+            os.utime(at["utimens"])
+        assert os.stat(at["utimens"]).st_size == 4096  # its other requests are served
+        assert (at["utimens"]).read_bytes() == data["utimens.mark"]
+        with pytest.raises(OSError) as statted:
+            os.stat(at["getattr"])
+        with pytest.raises(OSError) as opened:
+            os.open(at["open"], os.O_RDONLY)
+        os.utime(at["open"])
+        with pytest.raises(OSError) as created:
+            os.open(at["create"], os.O_CREAT | os.O_WRONLY)
+        fd = os.open(at["write"], os.O_RDWR)
+        try:
+            assert os.pread(fd, 4096, 0) == data["write.mark"]
+            with pytest.raises(OSError) as written:
+                os.pwrite(fd, b"x", 0)
+        finally:
+            os.close(fd)
+        fd = os.open(at["fsync"], os.O_RDWR)
+        try:
+            assert os.pwrite(fd, b"x", 0) == 1
+            with pytest.raises(OSError) as synced:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+        with pytest.raises(OSError) as renamed:
+            os.rename(at["rename"], mnt / "moved.bin")
+        with pytest.raises(OSError) as unlinked:
+            os.unlink(at["unlink"])
+        # A path no fault names: every request served.
+        (mnt / "other.bin").write_bytes(b"y")
+        os.utime(mnt / "other.bin")
+        os.rename(mnt / "other.bin", mnt / "other2.bin")
+        os.unlink(mnt / "other2.bin")
+        stats = vol.stats()
+    raised = (touched, statted, opened, created, written, synced, renamed, unlinked)
+    assert [r.value.errno for r in raised] == [err] * len(FAULTED)
+    assert sorted(p.name for p in backing.iterdir()) == sorted(there.values())
+    assert stats["faults_injected"] >= len(FAULTED)
 
 
 @pytest.mark.fuse

@@ -17,7 +17,10 @@ a size it has no free buffer of (a file's last range with its tail room for an O
 read past the end, just over the span size), it unpins free buffers that do not fit
 first. A buffer comes back with an event that completes after the last copy
 that reads it (or none, where every copy from it is known to be done), and is lent again,
-or unpinned, only once that event completed.
+or unpinned, only once that event completed. It comes back to the pool that lent it
+(:func:`give_back`) whenever it comes: a reader a load stopped waiting for (a second
+interrupt) gives its buffer back after the load let go of the pool, and the pool, kept
+alive by its lent buffers, counts it free again rather than full for good.
 """
 
 from __future__ import annotations
@@ -48,6 +51,10 @@ class PinnedBuffer:
     view: memoryview
     host: Any
     capacity: int
+    # The pool that lent it, while lent: where it goes back, held alive until then. None
+    # while free, so that a free buffer makes no cycle with its pool, which would then
+    # outlive its holders until the garbage collector ran.
+    lender: PinnedPool | None = None
 
 
 class PinnedPool:
@@ -83,6 +90,7 @@ class PinnedPool:
                     raise
                 with self._cond:
                     self.lent += 1
+                buffer.lender = self
                 return buffer
             if evict is not None:
                 self._unpin(*evict)
@@ -133,7 +141,7 @@ class PinnedPool:
             raise
         with self._cond:
             self.lent += 1
-        return PinnedBuffer(memory, memoryview(memory), host, capacity)
+        return PinnedBuffer(memory, memoryview(memory), host, capacity, lender=self)
 
     def _unpin(self, buffer: PinnedBuffer, event: CopyEvent | None) -> None:
         try:
@@ -149,6 +157,7 @@ class PinnedPool:
         with self._cond:
             if lent:
                 self.lent -= 1
+            buffer.lender = None
             self._free.append((buffer, event))
             self._cond.notify_all()
 
@@ -159,6 +168,15 @@ class PinnedPool:
             self._free.clear()  # the same list: the pool's finalizer holds it
         for buffer, event in free:
             self._unpin(buffer, event)
+
+
+def give_back(buffer: PinnedBuffer, event: CopyEvent | None = None) -> None:
+    """``buffer`` back to the pool that lent it, to be lent again once ``event``
+    completed (see :meth:`PinnedPool.give`), whether or not anything else holds that pool
+    still."""
+    lender = buffer.lender
+    assert lender is not None, "a pinned buffer given back twice"
+    lender.give(buffer, event)
 
 
 def _unpin(backend: DeviceBackend, buffer: PinnedBuffer, event: CopyEvent | None) -> None:

@@ -19,14 +19,15 @@ writes it for a snapshot download, not always for single files) publishes nothin
 lookup never asks the Hub, so the fill is left to the next download of the repo, which
 may ask it for the listing (said at debug).
 
-A process that exits while the fill runs waits for it at most
-``LOADERPLUG_FILL_EXIT_WAIT_S`` (Ctrl-C leaves it, as any sync): a worker is never held
-at exit by a slow volume. What is left unpublished then (the repo, the commit, its files)
-is said in a warning and left to the next worker. No file on the mirror is ever partial
-(each is published whole, by a rename), and the commit's ref, published last, is not
-there until every file is. A forked child
-(``os.fork``, multiprocessing, vLLM's workers) inherits none of it: not the parent's
-offers, nor its exit wait, which would wait there for a thread that does not exist.
+A process that exits while the fill runs waits for it up to
+``LOADERPLUG_FILL_EXIT_WAIT_S`` (0: not at all; Ctrl-C ends the wait, as it ends any
+sync): a slow volume can hold a worker's exit for that long, after which the fill's
+thread, a daemon, is left behind. What is left unpublished then (the repo, the commit,
+its files) is said in a warning and left to the next worker. No file on the mirror is
+ever partial (each is published whole, by a rename), and the commit's ref, published
+last, is not there until every file is. A forked child (``os.fork``, multiprocessing,
+vLLM's workers) inherits none of it: not the parent's offers, nor its exit wait, which
+would wait there for a thread that does not exist.
 """
 
 from __future__ import annotations

@@ -15,12 +15,14 @@ holds are guarded (:func:`guard`):
   ``HF_HUB_OFFLINE``: they look in the local cache, where the hook serves the mirror.
 
 Only what a worker asks the Hub *about* a repo is guarded (:func:`asks_about`): its
-revisions and refs, its info and file listings, a file's metadata (the ``HEAD`` of a
-``/resolve/`` URL). A file's content (the ``GET`` of that URL; Xet transfers go to
-other hosts) and every write (a commit, an upload) go as stock sends them, whatever
-the outage: their timeouts are their callers', a slow transfer is no outage, and the
-mirror could answer neither. Requests for repos the mirror does not hold go as stock
-sends them too: a first worker's download is never cut short here.
+revisions and refs, its info and file listings, a file's metadata (the ``HEAD`` of its
+URL, ``/{repo}/resolve/{revision}/{filename}``, known by that shape, not by a
+``/resolve/`` anywhere in it: a folder or a repo may be named ``resolve``). A file's
+content (the ``GET`` of that URL; Xet transfers go to other hosts) and every write (a
+commit, an upload) go as stock sends them, whatever the outage: their timeouts are
+their callers', a slow transfer is no outage, and the mirror could answer neither.
+Requests for repos the mirror does not hold go as stock sends them too: a first
+worker's download is never cut short here.
 """
 
 from __future__ import annotations
@@ -28,54 +30,112 @@ from __future__ import annotations
 import functools
 import re
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from .hub_commits import outage, recent_outage
 
-# After a repo's owner and name in an API path: what the request asks of the repo, so
-# a one-part repo id (``gpt2``) is told from the owner of a two-part one.
-_API_VERBS = frozenset(
-    ("revision", "tree", "paths-info", "treesize", "preupload", "commit", "commits", "refs",
-     "branch", "tag", "xet-read-token", "lfs-files", "discussions", "settings", "resolve",
-     "compare", "parquet")
-)  # fmt: skip
+# What an API path asks of a repo, after its id: each verb with the fewest and the most
+# path segments that follow it (None: any number). The counts tell a one-part repo id
+# (``gpt2/revision/main``) from the owner of a two-part one (``org/resolve/revision/main``),
+# and a revision such as ``refs/pr/1`` (a path's ``%2F`` arrive decoded) from the
+# ``refs`` verb, which takes nothing.
+_API_VERBS: dict[str, tuple[int, int | None]] = {
+    "resolve": (2, None), "revision": (1, None), "tree": (1, None),
+    "paths-info": (1, None), "treesize": (1, None), "preupload": (1, None),
+    "commit": (1, None), "commits": (1, None), "refs": (0, 0), "branch": (1, None),
+    "tag": (1, None), "xet-read-token": (1, None), "lfs-files": (0, None),
+    "discussions": (0, None), "settings": (0, 0), "compare": (1, None),
+    "parquet": (0, None),
+}  # fmt: skip
 _API = re.compile(r"^/api/(models|datasets|spaces)/(.+)$")
-_FILE = re.compile(r"^/(?:(datasets|spaces)/)?(.+?)/resolve/")
-# A file's URL, as huggingface_hub builds it (hf_hub_url) or as its API serves it too
-# (/api/models/<repo>/resolve/...): a GET of it is the file's content.
-_FILE_CONTENT = re.compile(r"^(?:/api/(?:models|datasets|spaces))?/.+?/resolve/")
-# The one request huggingface_hub POSTs to read a repo (get_paths_info); every other
-# POST, and every PUT, PATCH or DELETE, writes.
-_READING_POST = re.compile(r"^/api/(?:models|datasets|spaces)/.+/paths-info/")
+# A file's URL as huggingface_hub builds it (hf_hub_url): /[datasets/|spaces/]{repo}/
+# resolve/{revision}/{filename}, the repo id of one part or two.
+_FILE = re.compile(r"^/(?:(datasets|spaces)/)?(.+)$")
 
 # Whether the mirror holds a repo: (repo type, repo id) -> bool.
 Holds = Callable[[str, str], bool]
 
 
-def repo_of(path: str) -> tuple[str, str] | None:
-    """The repo type and id a Hub request is about, from its URL path; None for another
-    request (a redirect target, a login)."""
+@dataclass(frozen=True)
+class _Reading:
+    """One way to read a Hub URL path: the repo it names and the verb after the repo
+    (``resolve`` for a file's URL, None for the repo's info, or a verb unknown here)."""
+
+    repo: tuple[str, str]
+    verb: str | None
+
+
+def _readings(path: str) -> list[_Reading]:
+    """Every reading of a URL path its shape allows, the likelier first: a two-part repo
+    id before a one-part one (few repos have no owner). Several readings remain only for
+    a repo or revision named like a verb (``org/resolve/resolve/main/f``)."""
     api = _API.match(path)
     if api is not None:
-        parts = api.group(2).split("/")
-        one_part = len(parts) == 1 or parts[1] in _API_VERBS
-        return api.group(1).rstrip("s"), parts[0] if one_part else "/".join(parts[:2])
-    file = _FILE.match(path)
-    if file is not None:
-        return (file.group(1) or "models").rstrip("s"), file.group(2)
+        repo_type, parts = api.group(1).rstrip("s"), api.group(2).split("/")
+        readings = [
+            _Reading((repo_type, "/".join(parts[:n])), parts[n] if len(parts) > n else None)
+            for n in (2, 1)
+            if _api_verb_fits(parts, n)
+        ]
+        if not readings and len(parts) > 2:  # a verb unknown here: most repos have owners
+            readings.append(_Reading((repo_type, "/".join(parts[:2])), None))
+        return readings
+    file = _FILE.match(path) if not path.startswith("/api/") else None
+    if file is None:
+        return []
+    repo_type, parts = (file.group(1) or "models").rstrip("s"), file.group(2).split("/")
+    return [
+        _Reading((repo_type, "/".join(parts[:n])), "resolve")
+        for n in (2, 1)
+        if len(parts) >= n + 3 and parts[n] == "resolve" and all(parts[: n + 3])
+    ]
+
+
+def _api_verb_fits(parts: list[str], n: int) -> bool:
+    """Whether an API path's segments ``parts`` read as a repo id of ``n`` parts, then
+    nothing or a known verb and as many segments as that verb takes."""
+    if len(parts) < n or not all(parts[:n]):
+        return False
+    if len(parts) == n:
+        return True
+    fewest, most = _API_VERBS.get(parts[n], (-1, -1))
+    after = len(parts) - n - 1
+    return 0 <= fewest <= after and (most is None or after <= most)
+
+
+def repo_of(path: str) -> tuple[str, str] | None:
+    """The repo type and id a Hub request is about, from its URL path (the likelier
+    reading where its shape allows several); None for another request (a redirect
+    target, a login)."""
+    readings = _readings(path)
+    return readings[0].repo if readings else None
+
+
+def asks_about(method: str, path: str, holds: Holds | None = None) -> tuple[str, str] | None:
+    """The repo (type and id) a request asks the Hub about, from its method and URL
+    path; None for one that moves a file's content (a download's GET, an upload, a
+    commit) or is about no repo. Where the path reads several ways, ``holds`` (whether
+    the mirror holds a repo) picks the first reading about a repo the mirror holds."""
+    method = method.upper()
+    readings = [(reading, _asked(method, reading)) for reading in _readings(path)]
+    if not any(repo for _, repo in readings):
+        return None  # the mirror is not looked at for a download or an upload
+    for reading, repo in readings:
+        if holds is None or holds(*reading.repo):
+            return repo
     return None
 
 
-def asks_about(method: str, path: str) -> tuple[str, str] | None:
-    """The repo (type and id) a request asks the Hub about, from its method and URL
-    path; None for one that moves a file's content (a download's GET, an upload, a
-    commit) or is about no repo."""
-    method = method.upper()
-    if method == "GET" and _FILE_CONTENT.match(path):
-        return None
-    if method not in ("GET", "HEAD") and not (method == "POST" and _READING_POST.match(path)):
-        return None
-    return repo_of(path)
+def _asked(method: str, reading: _Reading) -> tuple[str, str] | None:
+    """The repo a request asks about, if its path reads as ``reading``."""
+    if reading.verb == "resolve":  # a file's URL: its GET is the content, its HEAD asks
+        return reading.repo if method == "HEAD" else None
+    # The one request huggingface_hub POSTs to read a repo is get_paths_info; every
+    # other POST, and every PUT, PATCH or DELETE, writes.
+    if method in ("GET", "HEAD") or (method == "POST" and reading.verb == "paths-info"):
+        return reading.repo
+    return None
 
 
 def guard(
@@ -93,8 +153,8 @@ def guard(
 
     @functools.wraps(send)
     def guarded_send(request: Any, *args: Any, **kwargs: Any) -> Any:
-        repo = asks_about(request.method, request.url.path)
-        if repo is None or not holds(*repo):
+        repo = asks_about(request.method, request.url.path, holds)
+        if repo is None:
             return send(request, *args, **kwargs)
         endpoint = f"{request.url.scheme}://{request.url.netloc.decode()}"
         down = recent_outage(endpoint)

@@ -20,7 +20,7 @@ import math
 import threading
 from typing import TYPE_CHECKING, Any
 
-from loaderplug.devices.pinned import PinnedBuffer, PinnedPool, pool_of
+from loaderplug.devices.pinned import PinnedBuffer, PinnedPool, give_back, pool_of
 from loaderplug.engine.sizing import CHUNK_ALIGNMENT
 from loaderplug.errors import LoaderplugError
 from loaderplug.plugins.manager import Plugins
@@ -72,10 +72,10 @@ class DevicePath:
         return self.pool.take(nbytes, limit, cancel)
 
     def give(self, buffer: PinnedBuffer, event: CopyEvent | None = None) -> None:
-        """``buffer`` back to the pool, lent again once ``event`` completed (None: every
-        copy from it is done)."""
-        assert self.pool is not None
-        self.pool.give(buffer, event)
+        """``buffer`` back to the pool that lent it, lent again once ``event`` completed
+        (None: every copy from it is done); after :meth:`release` too, where a reader the
+        load stopped waiting for (a second interrupt) gives its buffer back late."""
+        give_back(buffer, event)
 
     def release(self) -> None:
         """Let go of the pinned pool, the load being over: one that nothing else holds (a

@@ -3,7 +3,9 @@
 `VolumeProfile` (with its `Fault` and `Replace` entries) is shared by the parent and
 the FUSE server and crosses the process boundary as JSON. `TokenBucket`, `FaultPicker`
 and `ReplaceSchedule` are what the server (`loaderplug.testing.fuse_server`) applies
-to each read request; they do no I/O, so they can be tested without FUSE.
+to each request (a fault to the operations it names: reads by default, and writes,
+opens and metadata such as a file's attributes or times); they do no I/O, so they can
+be tested without FUSE.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from dataclasses import dataclass
 from loaderplug.units import MiB
 
 __all__ = [
+    "FAULT_OPS",
     "Fault",
     "FaultPicker",
     "Replace",
@@ -31,12 +34,22 @@ __all__ = [
 ]
 
 
+# The FUSE operations a fault can fail, by their names in the server: a file's content
+# (read, write, fsync), opening it (open, create), its attributes (getattr: every stat,
+# and the lookup of a path the kernel does not know yet), its times (utimens: a touch)
+# and changes of names (rename, unlink).
+FAULT_OPS = ("read", "write", "fsync", "open", "create", "getattr", "utimens", "rename", "unlink")
+
+
 @dataclass(frozen=True)
 class Fault:
-    """An injected read error.
+    """An injected error, for the FUSE requests of the operations ``ops`` (reads by
+    default) on paths that match ``path_glob``.
 
-    Evaluated once per FUSE read request; the first fault that matches and
-    fires wins.
+    Evaluated once per such request; the first fault that matches and fires wins.
+    ``after_bytes`` spares requests at lower offsets (a read or write; any other request
+    is at offset 0), ``max_inflight`` those made while no more than that many read
+    requests are in flight, and ``limit`` stops the fault after that many.
     """
 
     errno: int
@@ -45,8 +58,14 @@ class Fault:
     max_inflight: int | None = None
     after_bytes: int = 0
     limit: int | None = None
+    ops: tuple[str, ...] = ("read",)
 
     def __post_init__(self) -> None:
+        # A list from JSON or from hand-written code, kept as a tuple: hashable, immutable.
+        object.__setattr__(self, "ops", tuple(self.ops))
+        unknown = sorted(set(self.ops) - set(FAULT_OPS))
+        if unknown or not self.ops:
+            raise ValueError(f"Fault.ops must be some of {FAULT_OPS}, got {self.ops}")
         if self.errno <= 0:
             raise ValueError(f"Fault.errno must be a positive errno, got {self.errno}")
         if not 0.0 <= self.rate <= 1.0:
@@ -184,7 +203,7 @@ class TokenBucket:
 
 
 class FaultPicker:
-    """Which `Fault`, if any, a read request gets.
+    """Which `Fault`, if any, a request gets.
 
     Not thread-safe: the caller serialises `pick` (the server holds its lock), so
     `limit` and the RNG stay consistent.
@@ -194,13 +213,19 @@ class FaultPicker:
         self._faults = tuple(faults)
         self._rng = random.Random(seed)
         self._fired = [0] * len(self._faults)
+        # The operations some fault targets: the server asks about no other, so a fault
+        # on a file's times costs its reads nothing.
+        self.ops = frozenset(op for f in self._faults for op in f.ops)
 
-    def pick(self, rel: str, offset: int, inflight: int) -> Fault | None:
-        """The first fault that matches a read of `rel` at `offset` and fires, or None.
+    def pick(self, rel: str, offset: int, inflight: int, op: str = "read") -> Fault | None:
+        """The first fault that matches an ``op`` request (see `FAULT_OPS`) of `rel` at
+        `offset` and fires, or None.
 
-        `inflight` counts the read requests in flight, this one included.
+        `inflight` counts the read requests in flight, this one included if a read.
         """
         for i, f in enumerate(self._faults):
+            if op not in f.ops:
+                continue
             if f.limit is not None and self._fired[i] >= f.limit:
                 continue
             if offset < f.after_bytes:

@@ -83,6 +83,9 @@ class _NamespaceOps:
     _attrs: dict[str, tuple[float, dict[str, Any]]]
     _lock: threading.Lock
     _handles: dict[int, _Handle]
+    _faults: FaultPicker
+    _inflight: int
+    _counters: dict[str, int]
 
     def _handle(self, fh: int) -> _Handle:
         h = self._handles.get(fh)
@@ -97,9 +100,27 @@ class _NamespaceOps:
     def _own_inode_numbers(self) -> bool:
         return self._profile.inode_numbers != "node-ids"
 
+    def _fail_if_faulted(self, op: str, path: str, offset: int = 0) -> None:
+        """Fail an ``op`` request (see `FAULT_OPS`) of ``path`` as the first fault that
+        matches and fires says, if one does. Reads draw theirs in `_VolumeOps.read`,
+        which counts them in flight first."""
+        if op not in self._faults.ops:
+            return
+        with self._lock:  # FaultPicker and its RNG are not thread-safe
+            fault = self._faults.pick(norm_rel(path), offset, self._inflight, op)
+            if fault is not None:
+                self._counters["faults_injected"] += 1
+        if fault is not None:
+            raise OSError(fault.errno, os.strerror(fault.errno))
+
     # -- metadata ---------------------------------------------------------
 
     def getattr(self, path: str | None, fh: int | None = None) -> dict[str, Any]:
+        # An unlinked file still open has no path: its handle's is the one it had.
+        handle = self._handles.get(fh) if fh is not None else None
+        named = path if path is not None else handle.rel if handle is not None else None
+        if named is not None:
+            self._fail_if_faulted("getattr", named)
         lag = self._profile.attr_lag_s
         if lag and path is not None:
             rel = norm_rel(path)
@@ -199,6 +220,7 @@ class _NamespaceOps:
         return 0
 
     def utimens(self, path: str, times: tuple[int, int] | None = None) -> int:
+        self._fail_if_faulted("utimens", path)
         full = self._full(path)
         if times is None:
             os.utime(full, follow_symlinks=False)
@@ -234,11 +256,15 @@ class _NamespaceOps:
         return 0
 
     def unlink(self, path: str) -> int:
+        self._fail_if_faulted("unlink", path)
         os.unlink(self._full(path))
         self._changed_here(path)
         return 0
 
     def rename(self, old: str, new: str) -> int:
+        # A fault on either name: a file renamed away, or another renamed over it.
+        self._fail_if_faulted("rename", old)
+        self._fail_if_faulted("rename", new)
         os.rename(self._full(old), self._full(new))
         self._changed_here(old, new)
         return 0
@@ -400,6 +426,7 @@ class _VolumeOps(_NamespaceOps):
         return None
 
     def open(self, path: str, flags: int) -> int:
+        self._fail_if_faulted("open", path)
         direct = bool(flags & getattr(os, "O_DIRECT", 0))
         refusal = self._profile.refuse_direct_io
         if direct and refusal == "open":
@@ -414,6 +441,7 @@ class _VolumeOps(_NamespaceOps):
         return fh
 
     def create(self, path: str, mode: int, flags: int) -> int:
+        self._fail_if_faulted("create", path)
         flags = _backing_flags(flags)
         fd = os.open(self._full(path), flags | os.O_CREAT, mode)
         self._changed_here(path)
@@ -470,6 +498,7 @@ class _VolumeOps(_NamespaceOps):
 
     def write(self, path: str | None, data: bytes, offset: int, fh: int) -> int:
         h = self._handle(fh)
+        self._fail_if_faulted("write", h.rel, offset)
         n = os.pwrite(self._current_fd(h), data, offset)
         self._changed_here(h.rel)
         with self._lock:
@@ -481,7 +510,9 @@ class _VolumeOps(_NamespaceOps):
         return 0
 
     def fsync(self, path: str | None, datasync: int, fh: int) -> int:
-        fd = self._handle(fh).fd
+        h = self._handle(fh)
+        self._fail_if_faulted("fsync", h.rel)
+        fd = h.fd
         if datasync:
             os.fdatasync(fd)
         else:

@@ -2,9 +2,11 @@
 
 The volume is a read-write passthrough of a backing folder whose *reads* are
 throttled (per open handle and per mount token buckets, with a minimum service time per
-request), can fail with injected errnos (`Fault`), and can have a file swapped
-underneath a reader (`Replace`). It is meant for tests, benchmarks and demos of
-code that copies model files from a network-volume mirror.
+request), whose requests can fail with injected errnos (`Fault`: reads by default;
+writes, opens, a file's attributes or times, renames and unlinks where a fault names
+them), and which can have a file swapped underneath a reader (`Replace`). It is meant
+for tests, benchmarks and demos of code that copies model files from a network-volume
+mirror.
 
 The FUSE server runs in its own process (``python -m loaderplug.testing.fuse_server``)
 so its Python request handlers never compete for the GIL of the process under
@@ -202,7 +204,8 @@ class TestVolume:
         """Server counters as of now.
 
         Keys: reads (read requests received, faulted ones included),
-        bytes_read, faults_injected, max_inflight_reads (high-water mark),
+        bytes_read, faults_injected (requests failed by a `Fault`, of every
+        operation), max_inflight_reads (high-water mark),
         opens, inflight_reads, writes, bytes_written, replacements.
         """
         obj = self._channel.request("stats")
