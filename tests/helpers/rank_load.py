@@ -41,6 +41,7 @@ import threading
 import time
 import zlib
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -106,11 +107,7 @@ def main() -> int:
     plugins.register(Count())
     if os.environ.get("RANK_FAKE_DEVICE"):
         plugins.register(FakeDevicePlugin(FakeDevice()))
-    die_after = int(os.environ.get("RANK_DIE_AFTER", "0"))
     die_at = float(os.environ.get("RANK_DIE_AT_S", "0"))
-    consumer_sleep = float(os.environ.get("RANK_CONSUMER_SLEEP_S", "0"))
-    tensor_sleep = float(os.environ.get("RANK_TENSOR_SLEEP_S", "0"))
-    replace = os.environ["RANK_REPLACE"].split(":") if os.environ.get("RANK_REPLACE") else None
     if die_at:
         threading.Timer(die_at, die).start()
     if os.environ.get("RANK_MAP_FAIL"):
@@ -129,26 +126,43 @@ def main() -> int:
     local_dir = os.environ.get("RANK_LOCAL_DIR") or None
     load = iter_tensors(files, device, local_dir=local_dir, group=group)
     try:
-        for n, (name, tensor) in enumerate(load, start=1):
-            dtype = str(tensor.dtype).removeprefix("torch.")
-            if tensor.device.type == "cpu":
-                raw = tensor.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
-                out["tensors"][name] = [dtype, list(tensor.shape), zlib.crc32(raw)]  # type: ignore[index]
-            else:
-                out["tensors"][name] = [dtype, list(tensor.shape), tensor.device.type]  # type: ignore[index]
-            if die_after and n >= die_after:
-                os._exit(9)
-            if replace and n == int(replace[0]):
-                os.replace(replace[2], replace[1])
-            if consumer_sleep and n == 1:
-                time.sleep(consumer_sleep)
-            time.sleep(tensor_sleep)
+        consume(load, out["tensors"])  # type: ignore[arg-type]
     except LoaderplugError as exc:
         out["error"] = f"{type(exc).__name__}: {exc}"
         out["failed_at"] = time.time()
     out["seconds"] = time.monotonic() - started
-    out["reads"] = reads
-    out["read_paths"] = read_paths
+    out.update(figures(load))
+    out["rss_growth"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base_rss
+    print(json.dumps(out))
+    return 0
+
+
+def consume(load: Any, tensors: dict[str, object]) -> None:
+    """Take every tensor, recording it, as the environment says (dying, sleeping,
+    replacing a file on the way)."""
+    die_after = int(os.environ.get("RANK_DIE_AFTER", "0"))
+    consumer_sleep = float(os.environ.get("RANK_CONSUMER_SLEEP_S", "0"))
+    tensor_sleep = float(os.environ.get("RANK_TENSOR_SLEEP_S", "0"))
+    replace = os.environ["RANK_REPLACE"].split(":") if os.environ.get("RANK_REPLACE") else None
+    for n, (name, tensor) in enumerate(load, start=1):
+        dtype = str(tensor.dtype).removeprefix("torch.")
+        if tensor.device.type == "cpu":
+            raw = tensor.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+            tensors[name] = [dtype, list(tensor.shape), zlib.crc32(raw)]
+        else:
+            tensors[name] = [dtype, list(tensor.shape), tensor.device.type]
+        if die_after and n >= die_after:
+            os._exit(9)
+        if replace and n == int(replace[0]):
+            os.replace(replace[2], replace[1])
+        if consumer_sleep and n == 1:
+            time.sleep(consumer_sleep)
+        time.sleep(tensor_sleep)
+
+
+def figures(load: Any) -> dict[str, object]:
+    """What the load says it did, for the test to read."""
+    out: dict[str, object] = {"reads": reads, "read_paths": read_paths}
     out["sharing"] = load.sharing
     out["owners"] = load.owners
     if load.hosts is not None:
@@ -165,9 +179,7 @@ def main() -> int:
     out["bytes_in_flight"] = load.bytes_in_flight
     out["host_copied_bytes"] = load.host_copied_bytes
     out["device_copied_bytes"] = load.device_copied_bytes
-    out["rss_growth"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base_rss
-    print(json.dumps(out))
-    return 0
+    return out
 
 
 if __name__ == "__main__":
