@@ -1,10 +1,12 @@
 """Heartbeats in a real torch store: a rank that stops beating is named, a slow store is
-not a dead host, a store that stops answering names rank 0's host, and the store's
-traffic grows linearly with the ranks."""
+not a dead host, a store that stops answering names rank 0's host, the store's traffic
+grows linearly with the ranks, a death told while a beat runs is never lost, and the
+last rank out takes the keys out of the store."""
 
 from __future__ import annotations
 
 import datetime
+import threading
 import time
 from collections import Counter
 from typing import Any
@@ -19,6 +21,7 @@ from loaderplug.tensors.heartbeats import (
     Heartbeats,
     Peer,
 )
+from loaderplug.tensors.peers import PeerWatch
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("torch.distributed")
@@ -159,3 +162,86 @@ def test_store_operations_grow_linearly_with_the_ranks(size: int) -> None:
     for _ in range(3):
         assert beat_all(beats, clock) == [[]] * size
     assert store.operations == {"add": 3 * size, "multi_get": 3 * size}, time.monotonic() - started
+
+
+class Interleaved(Heartbeats):
+    """Heartbeats whose beat, at the moment it takes the death it has to tell, lets
+    another thread's :meth:`tell` run first (as a switch of threads there would)."""
+
+    teller: threading.Thread | None = None
+
+    @property  # type: ignore[override]
+    def _to_tell(self) -> Peer | None:
+        taken = self.__dict__.get("slot")
+        teller, self.teller = self.teller, None
+        if teller is not None:
+            teller.start()
+            # A tell() that waits for the beat to be done with the slot goes on after it.
+            teller.join(timeout=1.0)
+        return taken
+
+    @_to_tell.setter
+    def _to_tell(self, peer: Peer | None) -> None:
+        self.__dict__["slot"] = peer
+
+
+def test_a_death_told_while_a_beat_takes_the_last_one_reaches_every_rank() -> None:
+    """Rank 2 is told of rank 1's death (its process exited) by the watch's thread just
+    as its beat takes what there is to tell: the next beat tells it, and rank 0 hears."""
+    clock = Clock()
+    store = hash_store()
+    beats = ranks(store, 3, clock)
+    beats[2] = Interleaved(store, 2, [Peer(0, None), Peer(1, None)], clock=clock)
+    beat_all(beats, clock)
+    teller = threading.Thread(target=beats[2].tell, args=(Peer(1, 4242),))
+    beats[2].teller = teller
+    assert beats[2].beat() == []
+    teller.join()
+    heard = [beat_all(beats, clock)[0] for _ in range(2)]
+    assert [peer for said in heard for peer in said] == [Peer(1, None)]
+
+
+def tcp_store() -> Any:
+    from torch.distributed import TCPStore
+
+    # A read of a key taken out too early fails in seconds, not the default minutes.
+    return TCPStore("127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=5))
+
+
+def test_the_last_rank_out_takes_the_keys_out_and_not_before() -> None:
+    from torch.distributed import PrefixStore
+
+    server = tcp_store()
+    before = server.num_keys()
+    clock = Clock()
+    beats = ranks(PrefixStore("a load/", server), 3, clock)
+    beat_all(beats, clock)
+    beats[0].tell(Peer(2, 4242))
+    assert beat_all(beats, clock)[1] == [Peer(2, None)]  # as the watcher named it
+    beats[0].leave()
+    beats[2].leave()
+    # Rank 1 still reads the dead and the watcher's count: they are there (a read of a
+    # key taken out would wait, then take the store, and rank 0's host, for gone).
+    assert beats[1].beat() == []
+    beats[1].leave()
+    assert server.num_keys() == before
+    assert beats[1].beat() == []  # past its leave, a beat asks nothing of the store
+
+
+def test_the_watches_of_a_load_leave_no_key_behind() -> None:
+    """Two ranks watching each other by heartbeat, their watches closed at the load's
+    end: the store holds what it held before."""
+    server = tcp_store()
+    before = server.num_keys()
+    watches = [
+        PeerWatch([Peer(1 - r, None)], Heartbeats(server, r, [Peer(1 - r, None)])) for r in (0, 1)
+    ]
+    for watch in watches:
+        watch.close()
+    # Closing waits for the last beat a moment, and no longer: on a busy machine the
+    # keys may go a little after.
+    deadline = time.monotonic() + 60
+    while server.num_keys() != before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert server.num_keys() == before
+    assert all(watch.dead is None for watch in watches)

@@ -115,7 +115,7 @@ def split_across_hosts(
         return HostsChoice(len(layout), False, "LOADERPLUG_HOST_SPLIT=off")
     here = next(host for host in layout if world.me in host)
     held = _groups_held_by_each(world)
-    host_steps = Steps(share, watch(share)) if share is not None else None
+    host_steps = Steps(share, watch(share, "hosts")) if share is not None else None
     try:
         return _split_or_wait(paths, local_dir, world, held, here, host_steps, settings)
     except BaseException:
@@ -232,7 +232,7 @@ def _leaders(world: World, held: list[int], settings: Settings) -> Steps:
         leaders,
         settings.distributed_timeout_s,
         peers,
-        heartbeat_store(group),
+        heartbeat_store(group, world.load_id),
     )
     return Steps(share, watch(share))
 

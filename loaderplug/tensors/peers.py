@@ -46,6 +46,11 @@ PROC_POLL_S = 0.25
 # death closes its sockets a moment before its process is seen to exit.
 PEER_EXIT_S = 1.0
 
+# How long closing a watch waits for its heartbeat's last beat and leave (a few of the
+# store's answers, so the load's keys are gone when the load is), and no longer: a
+# store that stalls is left to the heartbeat's thread, never to the load.
+LEAVE_S = 1.0
+
 
 def pid_namespace() -> str | None:
     """This process's pid namespace (process ids mean the same within one only)."""
@@ -81,6 +86,10 @@ class PeerWatch:
                 self._polled.append((peer, peer.pid))
         # A failed collective waits this long to see whether a peer died, to name it.
         self.settle_s = SILENT_S + 2 * BEAT_S if heartbeats is not None else PEER_EXIT_S
+        # On a thread of its own: a store that stopped answering blocks it, not the watch.
+        self._beating = threading.Thread(
+            target=self._beat, name="loaderplug-heartbeat", daemon=True
+        )
         self._wake_r, self._wake_w = os.pipe()
         self._thread = threading.Thread(target=self._watch, name="loaderplug-peers", daemon=True)
         self._thread.start()
@@ -129,6 +138,8 @@ class PeerWatch:
         if self._thread.is_alive():
             os.write(self._wake_w, b"x")
             self._thread.join()
+        if self._beating.ident is not None:  # started by the watch's thread
+            self._beating.join(LEAVE_S)
         for fd in [*self._by_fd, self._wake_r, self._wake_w]:
             os.close(fd)
         self._by_fd.clear()
@@ -146,8 +157,7 @@ class PeerWatch:
         if self.dead is not None:
             self._died(self.dead)
         if self._heartbeats is not None:
-            # On a thread of its own: a store that stopped answering blocks it, not this.
-            threading.Thread(target=self._beat, name="loaderplug-heartbeat", daemon=True).start()
+            self._beating.start()
         while True:
             for fd, _ in poller.poll(timeout_ms):
                 if fd == self._wake_r:
@@ -163,13 +173,18 @@ class PeerWatch:
 
     def _beat(self) -> None:
         """Beat at once (a peer counts this rank's silence from it), then every
-        :data:`BEAT_S` until the watch is closed."""
-        assert self._heartbeats is not None
-        while True:
-            for peer in self._heartbeats.beat():
-                self._died(peer)
-            if self._closed.wait(BEAT_S):
-                return
+        :data:`BEAT_S` until the watch is closed; then leave (past the last beat, as
+        :meth:`Heartbeats.leave` wants)."""
+        heartbeats = self._heartbeats
+        assert heartbeats is not None
+        try:
+            while True:
+                for peer in heartbeats.beat():
+                    self._died(peer)
+                if self._closed.wait(BEAT_S):
+                    return
+        finally:
+            heartbeats.leave()
 
     def _died(self, peer: Peer) -> None:
         if self._heartbeats is not None:

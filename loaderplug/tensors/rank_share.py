@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import socket
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,7 +28,9 @@ class Share:
     global_ranks: tuple[int, ...]  # each member's rank in the default group
     timeout_s: int
     peers: tuple[Peer, ...] = ()  # the other members, to watch
-    heartbeats: Any = None  # a store, where some member is in another pid namespace
+    # A store under a prefix of this load's own (:func:`heartbeat_store`), where some
+    # member is in another pid namespace.
+    heartbeats: Any = None
 
 
 @dataclass(frozen=True)
@@ -37,6 +40,12 @@ class World:
     group: Any  # torch.distributed.ProcessGroup
     ranks: tuple[RankProcess, ...]  # by rank in ``group``
     me: int  # this rank in ``group``
+
+    @property
+    def load_id(self) -> str:
+        """This load's own name, the same on every rank: rank 0's draw, as every rank
+        gathered it (see :attr:`RankProcess.draw`)."""
+        return self.ranks[0].draw
 
     def hosts(self) -> list[list[int]]:
         """The group's ranks by host, hosts in the order of their first rank."""
@@ -89,15 +98,22 @@ def share_for(world: World | None, settings: Settings) -> Share | None:
     held = [ranks[r].groups for r in here]
     own = agreed_group(members, held, settings.distributed_timeout_s)
     me = members.index(dist.get_rank())
-    beats = heartbeat_store(own) if any(p.pid is None for p in peers) else None
+    beats = heartbeat_store(own, world.load_id) if any(p.pid is None for p in peers) else None
     return Share(own, me, len(members), members, settings.distributed_timeout_s, peers, beats)
 
 
-def watch(share: Share) -> PeerWatch:
-    """A watch on the share's other ranks: their processes, or their heartbeats."""
-    me = share.global_ranks[share.rank]
-    beats = Heartbeats(share.heartbeats, me, share.peers) if share.heartbeats is not None else None
-    return PeerWatch(share.peers, beats)
+def watch(share: Share, what: str = "load") -> PeerWatch:
+    """A watch on the share's other ranks: their processes, or their heartbeats, kept
+    under ``what`` the watch is for (every member watches a share for the same things,
+    in the same order). Two watches of one share, as a split between hosts and then the
+    load have, each have keys of their own: the last one out of the first removes its
+    keys while the second may already beat."""
+    if share.heartbeats is None:
+        return PeerWatch(share.peers)
+    import torch.distributed as dist
+
+    store = dist.distributed_c10d.PrefixStore(f"{what}/", share.heartbeats)
+    return PeerWatch(share.peers, Heartbeats(store, share.global_ranks[share.rank], share.peers))
 
 
 def _visible(me: RankProcess, other: RankProcess) -> bool:
@@ -105,16 +121,19 @@ def _visible(me: RankProcess, other: RankProcess) -> bool:
     return me.pid_namespace is not None and other.pid_namespace == me.pid_namespace
 
 
-def heartbeat_store(group: Any) -> Any:
+def heartbeat_store(group: Any, load_id: str) -> Any:
     """Where the share's ranks keep their heartbeats: the default group's store, under a
-    prefix of this group's own (None where torch does not say what the store is)."""
+    prefix of this load's and this group's own (None where torch does not say what the
+    store is). The group's name alone would not do: the next load's group, of the same
+    ranks, bears the same name, and would read what this load left (a death named, a
+    count that stood still)."""
     import torch.distributed as dist
 
     default_store = getattr(dist.distributed_c10d, "_get_default_store", None)
     if default_store is None:
         return None
     return dist.distributed_c10d.PrefixStore(
-        f"loaderplug/heartbeats/{group.group_name}/", default_store()
+        f"loaderplug/heartbeats/{load_id}/{group.group_name}/", default_store()
     )
 
 
@@ -130,13 +149,27 @@ class RankProcess:
     # LOADERPLUG_SPAN_BYTES (0: unset) and LOADERPLUG_SPLIT_THRESHOLD_BYTES.
     split: tuple[str, int, int] = ("auto", 0, 0)
     groups: int = 0  # the process groups it holds (see loaderplug.tensors.rank_groups)
+    # A random name for the load, drawn by every rank and gathered with the rest, of
+    # which rank 0's is the load's (World.load_id): the ranks agree on it in the
+    # collective that starts every shared load, so it costs none of its own. Drawn,
+    # not counted: a count of each process's loads would be the same on every rank only
+    # while every rank made the same loads and failed at the same points, and a name
+    # that differs between ranks would have each watch keys nobody beats, blind to any
+    # death; a draw never repeats, in this process or in any other using the store.
+    draw: str = ""
 
     @staticmethod
     def here(settings: Settings, local_dir: str | os.PathLike[str] | None = None) -> RankProcess:
         host = settings.host_id or torchrun_host(local_dir) or host_id(local_dir)
         split = (settings.host_split, settings.span_bytes or 0, settings.split_threshold_bytes)
         return RankProcess(
-            host, os.getpid(), pid_namespace(), socket.gethostname(), split, groups_held()
+            host,
+            os.getpid(),
+            pid_namespace(),
+            socket.gethostname(),
+            split,
+            groups_held(),
+            secrets.token_hex(8),
         )
 
 
