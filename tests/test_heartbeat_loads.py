@@ -30,8 +30,11 @@ HELPER = Path(__file__).parent / "helpers" / "heartbeat_loads.py"
 TENSORS = 4 * 8  # of the model below
 
 
-def two_loads(tmp_path: Path, scenario: str, world: int = 2) -> list[dict[str, Any]]:
-    """What each rank said of its two loads (see ``tests/helpers/heartbeat_loads.py``)."""
+def two_loads(
+    tmp_path: Path, scenario: str, world: int = 2, loads: int = 2
+) -> list[dict[str, Any]]:
+    """What each rank said of its loads, two by default (see
+    ``tests/helpers/heartbeat_loads.py``)."""
     folder = tmp_path / "model"
     write_model(folder, 2 * MiB, shards=4, tensors_per_shard=8)
     files = [str(f) for f in sorted(folder.glob("*.safetensors"))]
@@ -41,6 +44,7 @@ def two_loads(tmp_path: Path, scenario: str, world: int = 2) -> list[dict[str, A
         "LOADERPLUG_LOCAL_COPIES": str(tmp_path),
         # A rank left alone in a collective gives up in a minute, not the default ten.
         "LOADERPLUG_DISTRIBUTED_TIMEOUT_S": "60",
+        "LOADS": str(loads),
     }
     procs = [
         subprocess.Popen(
@@ -83,3 +87,12 @@ def test_a_late_first_beat_in_the_next_load_is_not_a_death(tmp_path: Path) -> No
     said = two_loads(tmp_path, "late-beat")
     for rank, out in enumerate(said):
         assert out["loads"] == [{"tensors": TENSORS, "error": None}] * 2, (rank, out)
+
+
+def test_loads_one_after_another_each_make_their_group_afresh(tmp_path: Path) -> None:
+    """Four loads of the same ranks, one after the other: each load's group bears the
+    name of the last one's, and no rank is sent to the address the freed one left in the
+    store (where, before, about one pair of loads in two failed to connect, or hung)."""
+    said = two_loads(tmp_path, "plain", loads=4)
+    for rank, out in enumerate(said):
+        assert out["loads"] == [{"tensors": TENSORS, "error": None}] * 4, (rank, out)

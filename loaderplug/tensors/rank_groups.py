@@ -49,3 +49,24 @@ def agreed_group(
     finally:
         for pad in pads:
             dist.destroy_process_group(pad)
+
+
+def forget_address(group: Any) -> None:
+    """Take the address this rank published to make ``group`` out of the store, once
+    the group is made on every member (so no member still needs it) and is being freed.
+
+    The next load's group of the same members bears the same name (torch names it by
+    its ranks and the groups each process holds, which is again what it was), and a
+    member that read another's address before that one published it anew would connect
+    to the freed group's, and fail ("Connection refused") or wait for good. Gloo keeps
+    the address at ``{name}/cpu/0/{rank}`` in the default group's store; where torch
+    keeps it elsewhere this removes nothing, and the store says so (False)."""
+    import torch.distributed as dist
+
+    default_store = getattr(dist.distributed_c10d, "_get_default_store", None)
+    if default_store is None or dist.get_backend(group) != "gloo":
+        return
+    prefix = dist.distributed_c10d.PrefixStore
+    # Nested as torch nests them: each PrefixStore puts a "/" after its prefix.
+    store = prefix("cpu/", prefix(f"{group.group_name}/", default_store()))
+    store.delete_key(f"0/{group.rank()}")

@@ -21,6 +21,7 @@ from loaderplug.tensors.rank_collectives import (
     completed_well,
     stopped_answering,
 )
+from loaderplug.tensors.rank_groups import forget_address
 from loaderplug.tensors.rank_mode import SharingMode
 from loaderplug.tensors.rank_share import Share
 
@@ -143,6 +144,8 @@ def free_groups(groups: list[Any], pending: Any = None) -> None:
     for group in {id(g): g for g in groups}.values():
         if pending is not None:
             abandon(group, pending)
+        else:
+            _quietly(functools.partial(forget_address, group), "forget the address of a group")
         _quietly(functools.partial(dist.destroy_process_group, group), "free a group")
 
 

@@ -10,8 +10,7 @@ a watcher whose reads of rank 1's count stalled would), and the ranks go on;
 after the others (it reached the load late), having beaten all through the first.
 ``SILENT_S`` is lowered to :data:`SILENT_S` in every rank, so a silence is short.
 
-Between the loads, each rank takes the addresses its gloo group of the first load left
-in the store out of it (see :func:`forget_addresses`).
+``plain``: nothing more. ``LOADS`` (2 by default): how many loads, one after the other.
 
 Prints {"loads": [{"tensors": how many, "error": message or null}, ...]}.
 """
@@ -20,12 +19,12 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 import sys
 import time
 from typing import Any
 
 import torch.distributed as dist
-from torch.distributed import PrefixStore
 
 from loaderplug.errors import LoaderplugError
 from loaderplug.tensors import heartbeats, rank_share, ranks
@@ -58,24 +57,6 @@ watch = ranks.watch
 agreed_group = rank_share.agreed_group
 
 
-def recorded_group(*args: Any, **kwargs: Any) -> Any:
-    group = agreed_group(*args, **kwargs)
-    made.append((group.group_name, group.rank()))
-    return group
-
-
-def forget_addresses() -> None:
-    """Take the addresses this rank's gloo groups published (``{name}/cpu/0/{rank}``, as
-    torch keeps them) out of the store. The next load's group bears the name of the
-    last one's, and a member that reads another's address before that one published
-    it anew would be sent to the freed group's: a fault of the groups' names, not of
-    the heartbeats these tests are about, kept out of them here."""
-    default = dist.distributed_c10d._get_default_store()
-    for name, rank in made:
-        PrefixStore("cpu/", PrefixStore(f"{name}/", default)).delete_key(f"0/{rank}")
-    made.clear()
-
-
 def load(files: list[str]) -> dict[str, Any]:
     said: dict[str, Any] = {"tensors": 0, "error": None}
     try:
@@ -99,19 +80,15 @@ def main() -> int:
     )
     # A pid namespace of its own, as far as the ranks can tell: watched by heartbeat.
     rank_share.pid_namespace = lambda: f"pid:[{rank}]"  # type: ignore[assignment]
-    rank_share.agreed_group = recorded_group  # type: ignore[assignment]
     heartbeats.SILENT_S = SILENT_S  # type: ignore[misc]
     if scenario == "named-death":
         rank_share.Heartbeats = NamingDeath  # type: ignore[misc]
     elif scenario == "late-beat" and rank == 1:
         ranks.watch = late_watch  # type: ignore[assignment]
     said = []
-    for _ in range(2):
+    for _ in range(int(os.environ.get("LOADS", "2"))):
         said.append(load(files))
         loads_done += 1
-        forget_addresses()
-        # Every rank's addresses are gone before any makes the next load's group.
-        dist.barrier(group=dist.group.WORLD, timeout=datetime.timedelta(seconds=60))
     print(json.dumps({"loads": said}))
     return 0
 
