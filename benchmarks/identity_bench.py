@@ -110,6 +110,7 @@ def main() -> None:
     parser.add_argument("--before", default="594003a", help="the revision to compare with")
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--quick", action="store_true", help="the warm model only")
+    parser.add_argument("--cold-rounds", type=int, help="rounds of the cold model (rounds / 3)")
     parser.add_argument("--out", type=Path, default=HERE / "results")
     parser.add_argument("--run", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("files", nargs="*", help=argparse.SUPPRESS)
@@ -123,7 +124,8 @@ def main() -> None:
             cells = []
             for cache, shards, size in CELLS[:1] if args.quick else CELLS:
                 files = write_model(Path(tmp) / f"{cache}-model", shards, size)
-                rounds = args.rounds if cache == "warm" else max(3, args.rounds // 3)
+                cold_rounds = args.cold_rounds or max(3, args.rounds // 3)
+                rounds = args.rounds if cache == "warm" else cold_rounds
                 runs = run_cell(trees, files, cache == "cold", rounds)
                 cells.append(
                     {"cache": cache, "model": f"{shards} x {size // MiB} MiB", "runs": runs}
