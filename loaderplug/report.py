@@ -1,12 +1,40 @@
-"""What a job did, file by file: the value returned and printed with --json."""
+"""What a job did, file by file: the value returned and printed with --json.
+
+Names and reasons in a report come from a mirror others write: a file name may hold
+a terminal's escape sequences, a carriage return or a newline that would forge or hide
+report lines. :meth:`TransferReport.summary` passes each through :func:`printable`,
+and so does every line the command prints (``--json`` escapes them as JSON does).
+"""
 
 from __future__ import annotations
 
+import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from loaderplug.types import FileResult, Status
 from loaderplug.units import MiB, format_size
+
+# What a terminal acts on or reorders rather than shows: C0 and C1 controls (escape
+# sequences, carriage returns, newlines), DEL, the bidirectional marks, embeddings,
+# overrides and isolates; and lone surrogates (undecodable bytes of a file name), which
+# cannot even be written to a UTF-8 terminal.
+_UNPRINTABLE = re.compile(
+    "[\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069\ud800-\udfff]"
+)
+_NAMED = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
+
+
+def _escaped(match: re.Match[str]) -> str:
+    char = match.group()
+    code = ord(char)
+    return _NAMED.get(char) or (f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}")
+
+
+def printable(text: str) -> str:
+    """``text`` safe to write to a terminal: every character it would act on instead
+    of showing is written as its escape (``\\x1b``, ``\\n``, ``\\u202e``)."""
+    return _UNPRINTABLE.sub(_escaped, text)
 
 
 @dataclass
@@ -110,4 +138,5 @@ class TransferReport:
         for r in self.failed:
             errno = f" [errno {r.errno}]" if r.errno is not None else ""
             lines.append(f"  FAILED {r.path}: {r.reason}{errno}")
-        return "\n".join(lines)
+        # Each line whole: none of them holds a newline of its own.
+        return "\n".join(printable(line) for line in lines)

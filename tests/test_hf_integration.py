@@ -47,6 +47,12 @@ def snapshot_bytes(path: str | Path) -> dict[str, bytes]:
     }
 
 
+def listing_of(*commits: str) -> list[tuple[str, str]]:
+    """The requests a worker makes of an answering Hub to serve these commits from the
+    mirror: one listing of each, the Hub's word on what it holds."""
+    return [("GET", f"/api/models/{REPO}/tree/{c}?recursive=true&expand=false") for c in commits]
+
+
 def worker_one(hub: HubServer, tmp_path: Path, **kwargs: object) -> str:
     """The first worker: downloads from the Hub, which fills the mirror."""
     return str(lp_hub.snapshot_download(REPO, cache_dir=tmp_path / "cache1", **kwargs))
@@ -76,9 +82,10 @@ def test_the_second_worker_hydrates_with_no_request_and_then_works_offline(
     hub.reset_counts()
     cache2 = tmp_path / "cache2"
     path = lp_hub.snapshot_download(REPO, cache_dir=cache2)
-    assert hub.requests == []
+    assert hub.requests == listing_of(sha)  # no file: the commit's listing alone
     assert path == str(cache2.resolve() / FOLDER / "snapshots" / sha)
     assert snapshot_bytes(path) == FILES
+    hub.reset_counts()
     # The layout is the Hub client's own: it finds the snapshot offline, by branch too.
     monkeypatch.setenv("LOADERPLUG_MIRROR", str(tmp_path / "gone"))
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
@@ -95,7 +102,7 @@ def test_the_second_worker_hydrates_with_no_request_and_then_works_offline(
 
 
 def test_patterns_select_what_is_hydrated(hub: HubServer, tmp_path: Path, volume: Path) -> None:
-    hub.add_repo(REPO, FILES)
+    sha = hub.add_repo(REPO, FILES)
     worker_one(hub, tmp_path)
     hub.reset_counts()
     path = lp_hub.snapshot_download(
@@ -104,7 +111,7 @@ def test_patterns_select_what_is_hydrated(hub: HubServer, tmp_path: Path, volume
         allow_patterns=["*.safetensors", "*.json"],
         ignore_patterns=["*.index.json"],
     )
-    assert hub.requests == []
+    assert hub.requests == listing_of(sha)
     assert sorted(snapshot_bytes(path)) == [
         "config.json",
         "model-00001-of-00002.safetensors",
@@ -134,7 +141,7 @@ def test_revision_by_branch_and_by_commit(hub: HubServer, tmp_path: Path, volume
     cache2 = tmp_path / "cache2"
     by_sha = lp_hub.snapshot_download(REPO, cache_dir=cache2, revision=first)
     by_branch = lp_hub.snapshot_download(REPO, cache_dir=cache2, revision="main")
-    assert hub.requests == []
+    assert hub.requests == listing_of(first, second)  # main's commit is this process's pin
     assert by_sha.endswith(first) and by_branch.endswith(second)
     assert Path(by_branch, "config.json").read_bytes() == b'{"model_type": "mistral"}\n'
     assert Path(by_sha, "config.json").read_bytes() == FILES["config.json"]
@@ -144,12 +151,12 @@ def test_revision_by_branch_and_by_commit(hub: HubServer, tmp_path: Path, volume
 def test_local_dir_gets_plain_files_from_the_mirror(
     hub: HubServer, tmp_path: Path, volume: Path
 ) -> None:
-    hub.add_repo(REPO, FILES)
+    sha = hub.add_repo(REPO, FILES)
     worker_one(hub, tmp_path)
     hub.reset_counts()
     target = tmp_path / "plain"
     assert lp_hub.snapshot_download(REPO, local_dir=target) == str(target.resolve())
-    assert hub.requests == []
+    assert hub.requests == listing_of(sha)
     assert snapshot_bytes(target) == FILES
     assert not any(p.is_symlink() for p in target.rglob("*"))
     # huggingface_hub finds the files current: a later plain call downloads nothing.
@@ -166,7 +173,7 @@ def test_a_local_dir_download_fills_the_mirror_too(
     assert snapshot_bytes(volume / "hub" / FOLDER / "snapshots" / sha) == FILES
     hub.reset_counts()
     assert snapshot_bytes(lp_hub.snapshot_download(REPO, cache_dir=tmp_path / "c")) == FILES
-    assert hub.requests == []
+    assert hub.requests == listing_of(sha)
 
 
 def damage(volume: Path, name: str, how: str) -> None:
@@ -243,7 +250,7 @@ def test_a_plugin_can_point_a_repo_at_another_mirror(
     worker_one(hub, tmp_path)
     hub.reset_counts()
     path = lp_hub.snapshot_download(REPO, cache_dir=tmp_path / "cache2")
-    assert hub.requests == [] and snapshot_bytes(path) == FILES
+    assert hub.requests == listing_of(sha) and snapshot_bytes(path) == FILES
     assert (elsewhere / FOLDER / "snapshots" / sha).is_dir()
     assert not (volume / "hub" / FOLDER).exists()
     assert seen[0] == MirrorRequest("hub", REPO, "main")
@@ -287,7 +294,7 @@ def test_the_example_worker_fills_then_uses_the_mirror(
 ) -> None:
     import subprocess
 
-    hub.add_repo(REPO, FILES)
+    sha = hub.add_repo(REPO, FILES)
     script = Path(__file__).resolve().parent.parent / "examples" / "hf_worker.py"
     env = {**os.environ, "HF_ENDPOINT": hub.endpoint}
     for worker in ("one", "two"):
@@ -301,8 +308,8 @@ def test_the_example_worker_fills_then_uses_the_mirror(
             assert hub.file_requests() > 0
             hub.reset_counts()
     # The second worker, in a process of its own: one request learns the commit of main
-    # (as stock huggingface_hub asks), and no file comes from the Hub.
-    assert hub.requests == [("GET", f"/api/models/{REPO}/revision/main")]
+    # (as stock huggingface_hub asks), one lists that commit, and no file comes from the Hub.
+    assert hub.requests == [("GET", f"/api/models/{REPO}/revision/main"), *listing_of(sha)]
 
 
 def test_transformers_finds_the_hydrated_snapshot_offline(

@@ -29,6 +29,7 @@ from pathlib import Path
 from loaderplug.engine.retry import RetryPolicy, retrying
 from loaderplug.errors import LoaderplugError
 from loaderplug.plugins.manager import Plugins
+from loaderplug.report import printable
 from loaderplug.settings import Settings, from_env
 from loaderplug.storage.io_policy import decide, direct_io_alignment
 from loaderplug.storage.io_probe import in_parallel, remeasure
@@ -96,9 +97,10 @@ class BenchResult:
         }
 
     def summary(self) -> str:
-        lines = [f"{self.path}: {self.policy}"]
+        # The policy's reason may name a file of the storage: shown escaped.
+        lines = [printable(f"{self.path}: {self.policy}")]
         if self.measured is not None:
-            lines.append(f"IO policy kept for this mount: {self.measured}")
+            lines.append(printable(f"IO policy kept for this mount: {self.measured}"))
         lines.append("readers  span      MiB/s  transient errors")
         for t in self.trials:
             lines.append(

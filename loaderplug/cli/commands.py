@@ -2,6 +2,9 @@
 
 Exit codes: 0 done; 1 a file or the job failed (a corrupt file, a missing path, an
 unreachable mirror, ...); 2 bad usage or settings only; 130 interrupted.
+
+Whatever it prints that may come from a mirror (file names, reasons, error messages)
+goes through :func:`loaderplug.report.printable`: a name cannot write to the terminal.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from types import FrameType
 
 from loaderplug.errors import LoaderplugError, SettingsError
 from loaderplug.jobs.copies import hydrate, sync
-from loaderplug.report import TransferReport
+from loaderplug.report import TransferReport, printable
 from loaderplug.settings import BY_FIELD, Settings, from_env
 from loaderplug.units import MiB, parse_size
 
@@ -181,7 +184,7 @@ def _load(args: argparse.Namespace) -> int:
             f"first tensor after {figures['first_tensor_s']} s"
         )
         for path, mode in figures["io"].items():
-            print(f"  {path}: {mode}")
+            print(printable(f"  {path}: {mode}"))
     return 0
 
 
@@ -235,8 +238,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("loaderplug: interrupted; temp files removed", file=sys.stderr)
         return EXIT_INTERRUPTED
     except (SettingsError, _UsageError) as exc:
-        print(f"loaderplug: error: {exc}", file=sys.stderr)
+        print(printable(f"loaderplug: error: {exc}"), file=sys.stderr)
         return EXIT_USAGE
     except (LoaderplugError, OSError) as exc:
-        print(f"loaderplug: error: {exc}", file=sys.stderr)
+        print(printable(f"loaderplug: error: {exc}"), file=sys.stderr)
         return EXIT_FAILED

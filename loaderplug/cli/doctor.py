@@ -7,6 +7,7 @@ import warnings
 from collections.abc import Sequence
 
 from loaderplug.plugins.manager import Plugins
+from loaderplug.report import printable
 from loaderplug.settings import REGISTRY, from_env
 from loaderplug.storage.mounts import find_mount
 from loaderplug.tensors.host_split import hosts_said
@@ -26,10 +27,8 @@ def doctor(paths: Sequence[str], environ: dict[str, str] | None = None) -> str:
         where = f" on {mount.mount_point} ({mount.source})" if mount else ""
         mode = f"direct, {policy.alignment}-byte aligned" if policy.direct else "buffered"
         missing = "" if os.path.exists(path) else " (does not exist yet; decided for its folder)"
-        lines.append(
-            f"{path}{missing}: {policy.fs_type}{where}: {mode}: {policy.reason}; "
-            f"{policy.inode_note}"
-        )
+        line = f"{path}{missing}: {policy.fs_type}{where}: {mode}: {policy.reason}; "
+        lines.append(printable(line + policy.inode_note))
     lines.append(hosts_said(settings, environ if environ is not None else os.environ))
     lines.append("settings:")
     for var in REGISTRY:

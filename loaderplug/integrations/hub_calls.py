@@ -12,14 +12,18 @@ from typing import Any
 
 from huggingface_hub import constants
 
-# Public (documented) API, though ``utils`` does not re-export it for type checkers.
-from huggingface_hub.utils import filter_repo_objects  # type: ignore[attr-defined]
+# Public (documented) API, though ``utils`` does not re-export them for type checkers.
+from huggingface_hub.utils import (  # type: ignore[attr-defined]
+    filter_repo_objects,
+    validate_repo_id,
+)
 
 from loaderplug.plugins.manager import Plugins
 from loaderplug.settings import Settings
 from loaderplug.types import MirrorRequest
 
 from . import hub_commits
+from .hub_names import filename_problem, ref_problem
 from .upstream import huggingface_hub as seam
 
 # Not public: see loaderplug.integrations.upstream.huggingface_hub.
@@ -70,6 +74,32 @@ class Call:
             bound = inspect.BoundArguments(bound.signature, {**bound.arguments})
             bound.arguments["revision"] = pinned
         return self.original(*bound.args, **bound.kwargs)
+
+
+# The repo types stock downloads take (a kernel repo where huggingface_hub knows them).
+_REPO_TYPES = tuple(getattr(constants, "REPO_TYPES_WITH_KERNEL", constants.REPO_TYPES))
+
+
+def unusable(options: dict[str, Any], filename: object | None = None) -> str:
+    """Why the hook leaves a call to its original ("" where it may serve it): a name of
+    the call that is not plainly a path inside its folder (:mod:`.hub_names`). The
+    original then raises what stock raises for it, and the hook writes nothing."""
+    repo_id = options.get("repo_id")
+    try:
+        validate_repo_id(repo_id)
+    except ValueError as exc:  # HFValidationError
+        return str(exc)
+    if not isinstance(repo_id, str):
+        return f"the repo id {repo_id!r} is not a string"
+    if options.get("repo_type") not in _REPO_TYPES:
+        return f"the repo type {options.get('repo_type')!r} is not one stock downloads"
+    named = options.get("revision") or constants.DEFAULT_REVISION
+    # A ResolvedRevision names a branch and a commit: both become paths.
+    for revision in (named, getattr(named, "resolved", named)):
+        problem = ref_problem(revision)
+        if problem:
+            return problem
+    return filename_problem(filename) if filename is not None else ""
 
 
 def repo_path(path: str) -> str:

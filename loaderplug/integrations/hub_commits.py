@@ -18,8 +18,9 @@ every later call for that repo and branch uses the pin:
   huggingface_hub's own cache.
 
 A commit's file listing (what ``trees/<commit>.json`` holds) is asked of the Hub here
-too, once per commit and process (:func:`fetch_listing`), for a mirror or a local cache
-that lacks it.
+too, once per commit and process (:func:`fetch_listing`): the Hub's word on what a
+commit holds, which a listing on the mirror (anyone who can write the volume can write
+it) is checked against, and which a mirror or a local cache that lacks one is given.
 """
 
 from __future__ import annotations
@@ -125,10 +126,12 @@ def known(options: dict[str, Any], mirror: Path) -> str | None:
 
 
 def forget_pins() -> None:
-    """Forget every pin and outage (a long-lived process that wants the Hub's news)."""
+    """Forget every pin, outage and listing (a long-lived process that wants the Hub's
+    news: a commit's listing never changes, but asking again costs one request)."""
     with _pins_lock:
         _pins.clear()
     _outages.clear()
+    _listings.clear()
 
 
 def _learn(
@@ -250,6 +253,12 @@ def local_dir_commit(local_dir: Path) -> str | None:
 _listings: dict[tuple[str, str, str, str], dict[str, dict[str, object]]] = {}
 
 
+def known_listing(commit: str, options: dict[str, Any]) -> dict[str, dict[str, object]] | None:
+    """The commit's listing this process already has from the Hub, or None; asks nothing."""
+    key = RepoRevision.of(options)
+    return _listings.get((key.endpoint, key.repo_type, key.repo_id, commit))
+
+
 def fetch_listing(
     commit: str, options: dict[str, Any]
 ) -> tuple[dict[str, dict[str, object]] | None, str]:
@@ -259,7 +268,7 @@ def fetch_listing(
     (offline, unreachable, an error answer: where stock ``snapshot_download`` would serve
     its own cache unchecked). A proxy error and an unknown commit are raised."""
     key = RepoRevision.of(options)
-    known = _listings.get((key.endpoint, key.repo_type, key.repo_id, commit))
+    known = known_listing(commit, options)
     if known is not None:
         return known, ""
     why_not = not_to_be_asked(options, key.endpoint)

@@ -51,6 +51,8 @@ from loaderplug.report import TransferReport
 from loaderplug.settings import Settings
 from loaderplug.storage.files import replace_with_link, write_atomically
 
+from .hub_names import ref_problem
+
 # The formats huggingface_hub writes (pure data: this module never imports huggingface_hub).
 from .upstream import huggingface_hub as seam
 from .upstream.huggingface_hub import LISTING_FORMAT, LOCAL_DIR_META
@@ -75,6 +77,8 @@ def resolve_commit(folder: Path, revision: str) -> str | None:
     what ``refs/<revision>`` says, else None."""
     if COMMIT.match(revision):
         return revision
+    if ref_problem(revision):
+        return None  # not a file under refs/: never read from elsewhere
     try:
         commit = (folder / "refs" / revision).read_text().strip()
     except (OSError, UnicodeDecodeError):
@@ -133,6 +137,26 @@ def read_listing(folder: Path, commit: str) -> dict[str, RepoFile] | None:
     if files is None and problem != NO_LISTING:
         log.warning("%s: refusing the listing of commit %s: %s", folder, commit, problem)
     return files
+
+
+def listing_differences(mirror: dict[str, RepoFile], hub: dict[str, RepoFile]) -> dict[str, str]:
+    """Where the mirror's listing of a commit departs from the Hub's: each path whose
+    entry differs, and how."""
+    differences = {}
+    for path in sorted(set(mirror) | set(hub)):
+        ours, theirs = mirror.get(path), hub.get(path)
+        if ours == theirs:
+            continue
+        if theirs is None:
+            differences[path] = "not a file of the commit"
+        elif ours is None:
+            differences[path] = "missing from the mirror's listing"
+        else:
+            differences[path] = (
+                f"the mirror lists blob {ours.blob} of {ours.size} bytes, "
+                f"the Hub {theirs.blob} of {theirs.size} bytes"
+            )
+    return differences
 
 
 def listing_entry(
@@ -358,7 +382,11 @@ def hydrate_local_dir(
 
 
 def write_ref(folder: Path, revision: str, commit: str, *, fsync: bool) -> None:
-    """Point ``refs/<revision>`` at ``commit``, atomically (a reader sees old or new)."""
+    """Point ``refs/<revision>`` at ``commit``, atomically (a reader sees old or new).
+    ``ValueError`` for a revision that is no ref name: it would write outside ``refs/``."""
+    problem = ref_problem(revision)
+    if problem:
+        raise ValueError(f"{folder}: no ref written: {problem}")
     ref = folder / "refs" / revision
     if ref.is_file() and ref.read_text().strip() == commit:
         return
@@ -423,6 +451,8 @@ def sync_snapshot(
     mirror.mkdir(parents=True, exist_ok=True)
     expect = expectations({f"blobs/{f.blob}": f for f in entries})
     report = select("sync", source, mirror, files, links, settings, expect=expect)
-    if report.ok and not COMMIT.match(revision):
+    # A name no ref can have (a leftover temp file under the local refs/) publishes
+    # the commit alone, as a commit's download does.
+    if report.ok and not COMMIT.match(revision) and not ref_problem(revision):
         write_ref(mirror, revision, commit, fsync=settings.fsync)
     return report

@@ -1,6 +1,13 @@
 """A Hub call served from the mirror: the files it selects at the pinned commit hydrated
 into the local cache (or the call's ``local_dir``), and what the mirror could not serve
-said once, so that the original fetches only that."""
+said once, so that the original fetches only that.
+
+Anyone who can write the volume can write the mirror, so where the Hub answers, what a
+commit holds is the Hub's word: its listing of the commit (one request per commit and
+process) chooses the files and names each one's blob, whose hash the copy checks as it
+reads (an LFS file's sha256, any other file's git blob id), and a mirror listing that
+departs from it is said and replaced. Where the Hub cannot be asked, the mirror's own
+listing is served, said to be unverified."""
 
 from __future__ import annotations
 
@@ -17,19 +24,19 @@ from loaderplug.settings import Settings, from_env
 
 from . import hub_commits, hub_mirror, hub_sync
 from .hub_calls import Call, cache_folder, chooser, mirror_for
-from .hub_warnings import say_once, skip, some
+from .hub_warnings import note_once, say_once, skip, some
 from .upstream import huggingface_hub as seam
 
 log = logging.getLogger(__name__)
 
 
 class NotInCommit(Exception):
-    """The mirror's listing of the pinned commit has no such file: the Hub would answer
-    404, so the call is answered so without asking it."""
+    """The listing of the pinned commit (the Hub's, or offline the mirror's) has no such
+    file: the Hub would answer 404, so the call is answered so without asking it."""
 
-    def __init__(self, call: Call, commit: str, mirror: Path) -> None:
+    def __init__(self, call: Call, commit: str, listing: str) -> None:
         super().__init__(call.file)
-        self.call, self.commit, self.mirror = call, commit, mirror
+        self.call, self.commit, self.listing = call, commit, listing  # which listing says so
 
     def error(self) -> BaseException:
         """What stock ``hf_hub_download`` raises for a 404, with ``.no_exist/`` recorded
@@ -52,7 +59,7 @@ class NotInCommit(Exception):
         )
         message = (
             f"{file} is not a file of {options['repo_id']} at commit {self.commit} "
-            f"(the file listing of that commit on the mirror {self.mirror} says so)"
+            f"({self.listing} says so)"
         )
         return seam.remote_entry_not_found_error()(message, response=response)
 
@@ -64,7 +71,7 @@ class _Served:
     selection: hub_mirror.Selection
     listed: bool  # a listing backs the selection (the mirror's, or the Hub's)
     fetched: dict[str, dict[str, object]] | None = None  # a listing fetched from the Hub
-    stored: bool = True  # the mirror holds the listing (the hydrate copies it)
+    stored: bool = True  # the hydrate copies the mirror's listing (else writes `fetched`)
     unchecked: str = ""  # why the snapshot is served with no listing to check it against
 
 
@@ -173,45 +180,106 @@ def _what_the_mirror_serves(
     mirror: Path, call: Call, commit: str, settings: Settings
 ) -> _Served | None:
     """The files of this call the mirror holds at ``commit``, or None (said why) where it
-    cannot serve it. A snapshot without a listing (a mirror written before
-    huggingface_hub 1.22 kept them) gets its listing from the Hub, with one request, kept
-    on the mirror for the next worker; where the Hub cannot give it, or for a cache
-    lookup, which asks it nothing, the snapshot is served as it is."""
+    cannot serve it. Where the Hub answers, what the commit holds is the Hub's word (its
+    listing, asked once per commit and process) and the mirror's listing is only checked
+    against it; where it cannot be asked (offline, out of reach, or a cache lookup, which
+    asks it nothing), the mirror's listing is taken as it is, and a snapshot without one
+    (written before huggingface_hub 1.22 kept them) is served as it is."""
     options = call.options
-    choose = chooser(call)
     if not mirror.is_dir():
         skip(mirror, options, f"it holds no {mirror.name}")
         return None
     listing, problem = hub_mirror.inspect_listing(mirror, commit)
-    if listing is not None:
-        if call.file is not None and call.file not in listing:
-            raise NotInCommit(call, commit, mirror)
-        return _Served(hub_mirror.check_selection(mirror, commit, choose(listing), listing), True)
-    if problem != hub_mirror.NO_LISTING:
+    if listing is None and problem != hub_mirror.NO_LISTING:
         skip(mirror, options, f"commit {commit}: {problem}")
         return None
-    if not (mirror / "snapshots" / commit).is_dir():
+    if listing is None and not (mirror / "snapshots" / commit).is_dir():
         skip(mirror, options, _why_no_snapshot(mirror, options, commit))
         return None
-    fetched, unchecked = None, "a cache lookup asks the Hub nothing"
-    if not call.lookup:
-        fetched, unchecked = hub_commits.fetch_listing(commit, options)
+    fetched, why_not = _the_hubs_listing(call, commit)
     if fetched is not None:
-        listing, problem = hub_mirror.parse_listing(
-            {"format_version": seam.LISTING_FORMAT, "files": fetched}
-        )
-        if listing is None:
-            skip(mirror, options, f"the Hub's listing of commit {commit} {problem}")
-            return None
-        stored = hub_sync.store_listing(mirror, commit, fetched, options, settings)
-        selection = hub_mirror.check_selection(mirror, commit, choose(listing), listing)
-        return _Served(selection, listed=True, fetched=fetched, stored=stored)
-    selection = hub_mirror.snapshot_selection(mirror, commit, choose)
+        return _served_as_the_hub_lists(mirror, call, commit, listing, fetched, settings)
+    if listing is not None:
+        return _served_as_the_mirror_lists(mirror, call, commit, listing, why_not)
+    selection = hub_mirror.snapshot_selection(mirror, commit, chooser(call))
     if selection.refused and not selection.usable:
         why = f"no file it selects is usable ({some(selection.refused)})"
-        skip(mirror, options, f"commit {commit}, with no listing and {unchecked}: {why}")
+        skip(mirror, options, f"commit {commit}, with no listing and {why_not}: {why}")
         return None
-    return _Served(selection, listed=False, unchecked=unchecked)
+    return _Served(selection, listed=False, unchecked=why_not)
+
+
+def _the_hubs_listing(call: Call, commit: str) -> tuple[dict[str, dict[str, object]] | None, str]:
+    """The Hub's listing of ``commit`` and "", or None and why the Hub was not asked or
+    could not answer. A cache lookup asks the Hub nothing: it has the listing only where
+    this process got it already."""
+    if call.lookup:
+        known = hub_commits.known_listing(commit, call.options)
+        return (known, "") if known is not None else (None, "a cache lookup asks the Hub nothing")
+    return hub_commits.fetch_listing(commit, call.options)
+
+
+def _served_as_the_hub_lists(
+    mirror: Path,
+    call: Call,
+    commit: str,
+    on_mirror: dict[str, hub_mirror.RepoFile] | None,
+    fetched: dict[str, dict[str, object]],
+    settings: Settings,
+) -> _Served | None:
+    """What the mirror can give the call of the commit as the Hub lists it: each file by
+    the blob the Hub names, whose hash the copy checks. A mirror listing that departs
+    from the Hub's is said once and replaced there (the next worker offline then reads
+    the Hub's); the local cache always gets the Hub's, from memory."""
+    options = call.options
+    hub, problem = hub_mirror.parse_listing(
+        {"format_version": seam.LISTING_FORMAT, "files": fetched}
+    )
+    if hub is None:
+        skip(mirror, options, f"the Hub's listing of commit {commit} {problem}")
+        return None
+    if on_mirror != hub and not call.lookup:  # a lookup writes nothing to the mirror
+        hub_sync.store_listing(mirror, commit, fetched, options, settings)
+    if on_mirror is not None and on_mirror != hub:
+        differences = hub_mirror.listing_differences(on_mirror, hub)
+        say_once(
+            mirror,
+            options,
+            f"listing of commit {commit} departs from the Hub's",
+            "loaderplug: the mirror %s lists commit %s of %s otherwise than the Hub does "
+            "(%d file(s): %s); serving the commit as the Hub lists it",
+            mirror,
+            commit,
+            options["repo_id"],
+            len(differences),
+            some(differences),
+        )
+    if call.file is not None and call.file not in hub:
+        raise NotInCommit(call, commit, "the Hub's file listing of that commit")
+    selection = hub_mirror.check_selection(mirror, commit, chooser(call)(hub), hub)
+    return _Served(selection, listed=True, fetched=fetched, stored=False)
+
+
+def _served_as_the_mirror_lists(
+    mirror: Path, call: Call, commit: str, listing: dict[str, hub_mirror.RepoFile], why_not: str
+) -> _Served:
+    """What the mirror can give the call by its own listing, where the Hub could not be
+    asked (``why_not``): served as ever, and said (at info: offline is an ordinary day)
+    to be unverified. Each blob is still checked against the hash that names it."""
+    note_once(
+        mirror,
+        call.options,
+        f"listing of commit {commit} not verified",
+        "loaderplug: serving %s (commit %s) by the mirror's file listing, not verified "
+        "against the Hub's: %s",
+        call.options["repo_id"],
+        commit,
+        why_not,
+    )
+    if call.file is not None and call.file not in listing:
+        raise NotInCommit(call, commit, f"the file listing of that commit on {mirror}")
+    selection = hub_mirror.check_selection(mirror, commit, chooser(call)(listing), listing)
+    return _Served(selection, listed=True)
 
 
 def _why_no_snapshot(mirror: Path, options: dict[str, Any], commit: str) -> str:

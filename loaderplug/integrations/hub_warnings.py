@@ -16,14 +16,26 @@ _said: set[tuple[str, str, str]] = set()
 _said_lock = threading.Lock()
 
 
-def say_once(mirror: Path, options: dict[str, Any], why: str, message: str, *args: Any) -> None:
-    """One warning per mirror, repo and reason in a process."""
+def say_once(
+    mirror: Path,
+    options: dict[str, Any],
+    why: str,
+    message: str,
+    *args: Any,
+    level: int = logging.WARNING,
+) -> None:
+    """One warning (or a message at ``level``) per mirror, repo and reason in a process."""
     key = (str(mirror), str(options["repo_id"]), why)
     with _said_lock:
         if key in _said:
             return
         _said.add(key)
-    log.warning(message, *args)
+    log.log(level, message, *args)
+
+
+def note_once(mirror: Path, options: dict[str, Any], why: str, message: str, *args: Any) -> None:
+    """What is worth knowing on an ordinary day (a worker offline), said once at info."""
+    say_once(mirror, options, why, message, *args, level=logging.INFO)
 
 
 def skip(mirror: Path, options: dict[str, Any], why: str) -> None:

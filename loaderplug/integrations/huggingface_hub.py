@@ -22,7 +22,10 @@ What a call does:
 2. If the mirror (``LOADERPLUG_MIRROR``/hub, or a ``loaderplug_find_mirror`` plugin)
    holds that commit with every file the call selects, those files are hydrated into
    the local cache (blobs, snapshot links, ref, file listing) and the path is returned
-   with no request to the Hub for a file. A call whose patterns select nothing (vLLM's
+   with no request to the Hub for a file. What the commit holds is the Hub's word
+   where it answers (:mod:`.hub_serve`: its listing, once per commit and process; each
+   file checked against the hash the Hub gives it as it is copied); offline, the
+   mirror's listing, said to be unverified. A call whose patterns select nothing (vLLM's
    path lookup, ``ignore_patterns="*"``) gets the repo's files other than weights, so
    the snapshot it returns is one a loader can read a config from.
 3. Otherwise the original runs at the pinned commit (fetching only what is missing),
@@ -34,6 +37,10 @@ What a call does:
    repo (the traceback at debug). A mirror blob of the wrong size or content is
    refused, and that file is downloaded instead. A mirror that is skipped says why in
    one warning.
+
+A call naming a repo, revision or file that is not plainly a path inside its folder
+(``../x``, an absolute path; :mod:`.hub_names`) is the original's alone: it raises what
+stock raises, and the hook writes nothing for it.
 
 ``try_to_load_from_cache`` stays the lookup its callers take it for: it asks the Hub
 nothing and writes nothing to the mirror. Where the local cache answers, its answer is
@@ -80,7 +87,7 @@ except ImportError as exc:  # pragma: no cover - the message is the point
     ) from exc
 
 from . import hub_commits, hub_fill, hub_install, hub_serve, hub_sync
-from .hub_calls import WEIGHT_PATTERNS, Call, cache_folder, mirror_for, repo_path
+from .hub_calls import WEIGHT_PATTERNS, Call, cache_folder, mirror_for, repo_path, unusable
 from .hub_commits import offline as _offline
 from .hub_warnings import cause, failed
 
@@ -112,10 +119,17 @@ def _wrap(original: Callable[..., Any], file_call: bool) -> Callable[..., Any]:
         bound.apply_defaults()
         file = None
         if file_call:
-            subfolder = bound.arguments.get("subfolder")
-            name = str(bound.arguments["filename"])
-            file = repo_path(f"{subfolder}/{name}" if subfolder else name)
-        return _download(Call(original, bound, file))
+            subfolder, name = bound.arguments.get("subfolder"), bound.arguments["filename"]
+            # Joined as the original joins them, and checked as one name.
+            name = f"{subfolder}/{name}" if subfolder else name
+            if isinstance(name, str):
+                file = repo_path(name)
+        else:
+            name = None
+        call = Call(original, bound, file)
+        if unusable(call.options, name):
+            return call.run_original()  # stock's error (or stock's answer), nothing of ours
+        return _download(call)
 
     functools.update_wrapper(wrapper, original)
     del wrapper.__wrapped__  # type: ignore[attr-defined]  # its signature is set below
@@ -146,6 +160,8 @@ def try_to_load_from_cache(*args: Any, **kwargs: Any) -> Any:
     found = original_try_to_load_from_cache(*args, **kwargs)
     asked = _LOOKUP_SIGNATURE.bind(*args, **kwargs)
     asked.apply_defaults()
+    if unusable(asked.arguments, asked.arguments["filename"]):
+        return found  # a name the hook would not use as a path: stock's answer alone
     if isinstance(found, str):
         hub_fill.offer(asked.arguments, Path(found))
     if found is not None:
@@ -252,6 +268,8 @@ def pinned_commit(repo_id: str, revision: str | None, settings: Settings) -> str
     """The commit this process loads ``repo_id`` at (see :mod:`.hub_commits`), or None
     where neither the Hub nor the mirror can say."""
     options: dict[str, Any] = {"repo_id": repo_id, "revision": revision}
+    if unusable(options):
+        return None  # the download then goes to huggingface_hub, which says what is wrong
     return hub_commits.pinned(options, mirror_for(options, settings), settings)
 
 

@@ -2,6 +2,12 @@
 published with one ``rename``, so a reader sees either the old file or the complete new
 one, never a mix. The copy is stamped with the source's mtime, which the current-copy
 rule (:mod:`loaderplug.jobs.current_copy`) compares.
+
+A destination may hold links someone else planted (a sync's is a shared mirror): every
+open, rename and removal here reaches its folder without following a link below the
+job's root (:mod:`loaderplug.storage.safe_paths`), opens the temp file with
+``O_NOFOLLOW``, checks it is still the file this sink made, and checks its name again
+just before the rename.
 """
 
 from __future__ import annotations
@@ -13,14 +19,23 @@ import logging
 import mmap
 import os
 import secrets
+import stat
 from collections.abc import Iterator
 from pathlib import Path
 
 from loaderplug.engine.spans import Landed
 from loaderplug.errors import FileError
 from loaderplug.jobs.partial import Journal, is_partial_name, journal_for, partial_for
-from loaderplug.storage.files import fsync_dir, open_direct, sync_file
 from loaderplug.storage.mounts import is_network_type
+from loaderplug.storage.safe_paths import (
+    LinkOnPath,
+    guard_root,
+    lstat_below,
+    open_below,
+    parent_below,
+    sync_folder,
+    unlink_below,
+)
 from loaderplug.types import Identity, IOPolicy
 
 TEMP_SUFFIX = ".loaderplug-tmp"
@@ -53,10 +68,11 @@ def file_sink(
     fsync: bool,
     mode: int = 0o644,
     resume: Landed | None = None,
+    root: Path | None = None,
 ) -> FileSink:
     """The sink that publishes ``dst``, writing the way its filesystem (``target``)
     wants, journalling its durable spans (and with ``resume`` continuing a killed run's
-    partial copy)."""
+    partial copy); below ``root`` (the job's destination) no link is followed."""
     return FileSink(
         dst,
         identity.size,
@@ -70,6 +86,8 @@ def file_sink(
         direct_alignment=max(target.alignment, mmap.PAGESIZE) if target.direct else 0,
         # On a network filesystem glibc would emulate fallocate with a write per block.
         preallocate=not is_network_type(target.fs_type),
+        root=root,
+        stable_inodes=target.stable_inodes,
     )
 
 
@@ -88,13 +106,17 @@ class FileSink:
         preallocate: bool = True,
         identity: Identity | None = None,
         resume: Landed | None = None,
+        root: Path | None = None,
+        stable_inodes: bool = True,
     ) -> None:
         """``direct_alignment`` > 0 writes aligned ranges with O_DIRECT (local block
         filesystems): no page-cache copy, no dirty pages for the final fsync to flush.
         ``preallocate`` reserves the file's blocks before the first write. With the
         source's ``identity`` the copy keeps a journal of its durable spans, and with
         ``resume`` continues the partial copy a killed run left (see
-        :mod:`loaderplug.jobs.partial`)."""
+        :mod:`loaderplug.jobs.partial`). Below ``root`` (by default ``dst``'s folder) no
+        link is followed. Where the filesystem keeps inode numbers (``stable_inodes``)
+        each reopen of the temp file must find the very inode this sink made."""
         self.dst = dst
         self.size = size
         self.mtime_ns = mtime_ns
@@ -106,21 +128,35 @@ class FileSink:
         # One writer per destination at a time (the job's lock): the name can be fixed,
         # so the next run finds what a killed one left.
         self.temp = partial_for(dst)
+        self.root = guard_root(root, dst)
+        # The temp file's (device, inode) once made or adopted: every later open must
+        # find that very file under its name.
+        self._made: tuple[int, int] | None = None
+        self.stable_inodes = stable_inodes
         self.journal = Journal(dst, identity, fsync=fsync) if identity is not None else None
 
     def prepare(self) -> None:
         if self.resume is not None:
+            self._adopt()
             if self.journal is not None:
                 self.journal.start(fresh=False)
             return
         try:
-            self.dst.parent.mkdir(parents=True, exist_ok=True)
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self.temp)  # a partial nobody can resume
-            fd = os.open(self.temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, self.mode)
-        except OSError as exc:
+            with parent_below(self.root, self.temp, create=True) as (folder, name):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(name, dir_fd=folder)  # a partial nobody can resume
+                if self.journal is not None:
+                    # A fresh journal replaces any leftover: removed first, it is made
+                    # anew, never opened through whatever stood under its name.
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(self.journal.path.name, dir_fd=folder)
+                flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+                fd = os.open(name, flags, self.mode, dir_fd=folder)
+        except (OSError, ValueError) as exc:
             raise self._error(f"cannot create {self.temp}", exc) from exc
         try:
+            st = os.fstat(fd)
+            self._made = (st.st_dev, st.st_ino)
             self._preallocate(fd)
             if self.journal is not None:
                 self.journal.start(fresh=True)
@@ -131,19 +167,76 @@ class FileSink:
         finally:
             os.close(fd)
 
+    def _adopt(self) -> None:
+        """Take over a killed run's partial copy: a regular file, reached without a link."""
+        try:
+            fd = open_below(self.root, self.temp, os.O_RDONLY)
+            assert fd is not None
+            try:
+                st = os.fstat(fd)
+            finally:
+                os.close(fd)
+            # The journal is appended to: it must be a file of its own, not a link.
+            kept = self.journal is None or stat.S_ISREG(
+                lstat_below(self.root, self.journal.path).st_mode
+            )
+        except (OSError, ValueError) as exc:
+            raise self._error(f"cannot reopen {self.temp}", exc) from exc
+        if not stat.S_ISREG(st.st_mode) or not kept:
+            raise FileError(
+                f"{self.temp} or its journal is not a regular file; remove both to copy "
+                f"{self.dst.name} afresh",
+                path=str(self.dst),
+            )
+        self._made = (st.st_dev, st.st_ino)
+
+    def _open(self, flags: int, *, direct: bool = False) -> int | None:
+        """The temp file, opened with ``flags`` without following a link, and checked to
+        be the one this sink made; None where direct IO is refused (``direct``)."""
+        fd = open_below(self.root, self.temp, flags, direct=direct)
+        if fd is not None:
+            try:
+                self._check_made(os.fstat(fd))
+            except BaseException:
+                os.close(fd)
+                raise
+        return fd
+
+    def _check_made(self, st: os.stat_result) -> None:
+        if self._made is None:
+            pass
+        elif self.stable_inodes:
+            if (st.st_dev, st.st_ino) == self._made:
+                return
+        # A FUSE node id changes once the kernel forgets the inode: there the temp file
+        # can only be told by being a file of its size on the same device.
+        elif stat.S_ISREG(st.st_mode) and (st.st_dev, st.st_size) == (self._made[0], self.size):
+            return
+        # Not a transient error: retrying a write would only find the same stranger.
+        raise OSError(
+            errno.EBUSY,
+            f"{self.temp} is no longer the file this copy made (replaced while it was "
+            f"written); nothing of it is published",
+            str(self.temp),
+        )
+
     def span_landed(self, offset: int, length: int) -> None:
         """Every byte of ``[offset, offset + length)`` is written: make it durable, then
         journal it."""
         if self.journal is None:
             return
         if self.fsync:
-            sync_file(self.temp, data_only=True)
+            fd = self._open(os.O_RDONLY)
+            assert fd is not None
+            try:
+                os.fdatasync(fd)
+            finally:
+                os.close(fd)
         self.journal.record(offset, offset + length)
 
-    def _error(self, what: str, exc: OSError, advice: str = "") -> FileError:
-        return FileError(
-            f"{what}: {exc.strerror or exc}{advice}", path=str(self.dst), errno=exc.errno
-        )
+    def _error(self, what: str, exc: OSError | ValueError, advice: str = "") -> FileError:
+        why = getattr(exc, "strerror", None) or exc
+        return FileError(f"{what}: {why}{advice}", path=str(self.dst), errno=_errno(exc))
 
     def _preallocate(self, fd: int) -> None:
         # Reserving every block up front turns a full disk into one clear error before any
@@ -174,8 +267,7 @@ class FileSink:
         """Write ``data`` at ``offset``; False if direct IO was refused (nothing written)."""
         # Each write opens its own descriptor: no descriptor is shared between workers,
         # and no O_CREAT, so a write racing an abort cannot resurrect the temp file.
-        flags = os.O_WRONLY | os.O_CLOEXEC
-        fd = open_direct(self.temp, flags) if direct else os.open(self.temp, flags)
+        fd = self._open(os.O_WRONLY, direct=direct)
         if fd is None:
             return False
         try:
@@ -196,22 +288,35 @@ class FileSink:
 
     def blocks(self, size: int = 8 * 1024 * 1024) -> Iterator[bytes]:
         """The temp file's bytes, for a check that must read them again."""
-        with open(self.temp, "rb", buffering=0) as f:
+        fd = self._open(os.O_RDONLY)
+        assert fd is not None
+        with open(fd, "rb", buffering=0) as f:
             while block := f.read(size):
                 yield block
 
     def commit(self) -> None:
-        os.utime(self.temp, ns=(self.mtime_ns, self.mtime_ns))
-        if self.fsync:
-            sync_file(self.temp)
-        os.replace(self.temp, self.dst)
-        if self.journal is not None:
-            self.journal.remove()
-        if self.fsync:
+        with parent_below(self.root, self.dst) as (folder, name):
+            temp = self.temp.name
+            fd = os.open(temp, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=folder)
             try:
-                fsync_dir(self.dst.parent)
-            except OSError as exc:  # published already: say so, but it is not a failure
-                log.warning("%s is in place but its folder could not be fsync'd: %s", self.dst, exc)
+                self._check_made(os.fstat(fd))
+                os.utime(fd, ns=(self.mtime_ns, self.mtime_ns))
+                if self.fsync:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+            # The name may have been swapped since: it must still hold what was written.
+            self._check_made(os.stat(temp, dir_fd=folder, follow_symlinks=False))
+            os.replace(temp, name, src_dir_fd=folder, dst_dir_fd=folder)
+            if self.journal is not None:
+                self.journal.remove()
+            if self.fsync:
+                try:
+                    sync_folder(folder)
+                except OSError as exc:  # published already: say so, but not a failure
+                    log.warning(
+                        "%s is in place but its folder could not be fsync'd: %s", self.dst, exc
+                    )
 
     def leave(self) -> None:
         """Stop writing, keeping the partial copy and its journal for a rerun to resume."""
@@ -219,7 +324,12 @@ class FileSink:
             self.journal.close()
 
     def abort(self) -> None:
-        with contextlib.suppress(FileNotFoundError, NotADirectoryError):
-            os.unlink(self.temp)
+        # Under a link there is nothing of this copy's: it was never created there.
+        with contextlib.suppress(FileNotFoundError, NotADirectoryError, LinkOnPath, ValueError):
+            unlink_below(self.root, self.temp)
         if self.journal is not None:
             self.journal.remove()
+
+
+def _errno(exc: OSError | ValueError) -> int | None:
+    return exc.errno if isinstance(exc, OSError) else None

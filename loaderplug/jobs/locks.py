@@ -5,6 +5,13 @@ take the lock copies; the others wait, then find every file present and skip it.
 that split a load between them lock the files they each publish instead, so they copy
 side by side. flock is released by the kernel when a holder dies, so a killed job never
 wedges the next.
+
+A lock file lives where others may write (a shared mirror, a destination folder), so it
+is opened without following a link and without blocking, and must be a regular file:
+a link, a FIFO or a device at its name is an error at once, and the file it points to
+is never opened. The holder's PID is written into it only where it is this user's own
+small file with one name (a lock file as loaderplug writes it): a file that is someone
+else's, or larger than any PID (:data:`PID_BYTES`), is locked as it is, never truncated.
 """
 
 from __future__ import annotations
@@ -16,8 +23,11 @@ from pathlib import Path
 
 from loaderplug.errors import LockError
 from loaderplug.jobs.model_folder import LOCK_NAME, lock_name_for
+from loaderplug.storage.state_files import UnsafeFile, open_or_create, open_regular
 
 POLL_S = 0.05
+# The most a lock file holds: the holder's PID. Anything larger was not written as one.
+PID_BYTES = 64
 
 
 def folder_lock(folder: Path) -> Path:
@@ -46,7 +56,7 @@ class Lock:
         """Take the lock, polling so Ctrl-C stays responsive; returns the seconds waited."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
         path = self.path
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        fd = open_lock_file(path)
         started = time.monotonic()
         try:
             while True:
@@ -55,14 +65,15 @@ class Lock:
                     break
                 except BlockingIOError:
                     if time.monotonic() - started >= self.timeout_s:
-                        holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "?"
+                        holder = _holder(fd)
                         raise LockError(
                             f"{path} is still held by process {holder} after "
                             f"{self.timeout_s:g} s; wait for it, or raise LOADERPLUG_LOCK_TIMEOUT_S"
                         ) from None
                     time.sleep(POLL_S)
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, str(os.getpid()).encode(), 0)
+            if _ours_to_write(fd):
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, str(os.getpid()).encode(), 0)
         except BaseException:
             os.close(fd)
             raise
@@ -73,3 +84,33 @@ class Lock:
         if self._fd >= 0:
             os.close(self._fd)  # closing releases the flock
             self._fd = -1
+
+
+def open_lock_file(path: Path) -> int:
+    """The lock file at ``path``, created if missing: a regular file, never reached
+    through a link; a lock file this user may only read is locked read-only (flock needs
+    no more). Anything else at its name is a :class:`LockError` naming it."""
+    try:
+        try:
+            return open_or_create(path, os.O_RDWR)
+        except PermissionError:
+            return open_regular(path, os.O_RDONLY)
+    except UnsafeFile as exc:
+        raise LockError(
+            f"{path}: {exc.strerror}; loaderplug's lock is a regular file of its own: "
+            f"remove what is there and run the job again"
+        ) from exc
+
+
+def _ours_to_write(fd: int) -> bool:
+    """Whether the PID may be written into the open lock file: this user's, one name,
+    no larger than a PID, opened for writing."""
+    st = os.fstat(fd)
+    writable = fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE != os.O_RDONLY
+    return writable and st.st_uid == os.geteuid() and st.st_nlink == 1 and st.st_size <= PID_BYTES
+
+
+def _holder(fd: int) -> str:
+    """Who holds the lock, as its file says (a PID), for the message."""
+    text = os.pread(fd, PID_BYTES, 0).decode(errors="replace").strip()
+    return text if text.isdigit() else "?"

@@ -6,22 +6,35 @@ files whose sync failed as ``incomplete``, so nothing is dropped silently. ``hyd
 then trusts it over a walk: a file whose size or mtime disagrees (a sync under way, or
 one that landed after the manifest was written) is refused rather than copied half-new,
 and an incomplete file is reported as failed.
+
+The manifest lies on a shared volume: it is read only as a regular file (never through
+a link, never a FIFO or a device) and only up to a size scaled to the model it lists,
+:data:`BASE_BYTES` plus :data:`ENTRY_BYTES` for each file, link and folder of the
+mirror (counted only when the manifest is larger than the base, and only as far as its
+size needs). A manifest larger than its mirror can justify is refused, not read.
 """
 
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from loaderplug.engine.retry import RetryPolicy, as_raised, retrying
+from loaderplug.engine.retry import GiveUp, RetryPolicy, as_raised, retrying
 from loaderplug.errors import MirrorError
 from loaderplug.jobs.file_sink import temp_name_for
 from loaderplug.jobs.model_folder import MANIFEST_NAME, path_problem, symlink_problem
 from loaderplug.storage.files import write_atomically
+from loaderplug.storage.state_files import UnsafeFile, read_capped
+from loaderplug.units import KiB
 
 VERSION = 1
+# The size cap: a manifest entry takes about 70 bytes and its path (with indent=1), so
+# 1 KiB an entry leaves room for long paths, and the base for a few hundred files.
+BASE_BYTES = 64 * KiB
+ENTRY_BYTES = 1 * KiB
 
 
 @dataclass
@@ -40,11 +53,11 @@ def read(root: Path, retry: RetryPolicy = READ_RETRY) -> Manifest | None:
     A transient error (a stale NFS handle, EIO under load) is retried like any read."""
     path = root / MANIFEST_NAME
     try:
-        text, _ = retrying(lambda: path.read_text(encoding="utf-8"), retry, as_raised)
+        raw, _ = retrying(lambda: _read_capped(root, path), retry, _cannot_read(path))
     except FileNotFoundError:
         return None
     try:
-        data = json.loads(text)
+        data = json.loads(raw.decode("utf-8"))
         if not isinstance(data, dict) or data.get("version") != VERSION:
             raise ValueError(f"expected an object with version {VERSION}")
         manifest = Manifest()
@@ -66,11 +79,49 @@ def read(root: Path, retry: RetryPolicy = READ_RETRY) -> Manifest | None:
                 f"the last sync of this file to the mirror failed ({reason}); "
                 f"run `loaderplug sync` again"
             )
-    except (ValueError, TypeError, KeyError, AttributeError) as exc:
+    except (ValueError, TypeError, KeyError, AttributeError) as exc:  # UTF-8 errors too
         raise MirrorError(
             f"manifest {path} is malformed ({exc}); run `loaderplug sync` again to rewrite it"
         ) from exc
     return manifest
+
+
+def _read_capped(root: Path, path: Path) -> bytes:
+    size = os.lstat(path).st_size
+    return read_capped(path, size_cap(root, size), "the manifest of this mirror")[0]
+
+
+def _cannot_read(path: Path) -> GiveUp:
+    """A manifest that is not a regular file, or too large, is a MirrorError at once;
+    other errors are raised as they were (FileNotFoundError: no manifest)."""
+
+    def give_up(exc: OSError, attempts: int | None) -> Exception:
+        if isinstance(exc, UnsafeFile):
+            return MirrorError(
+                f"manifest {path}: {exc.strerror}; run `loaderplug sync` again to rewrite it"
+            )
+        return as_raised(exc, attempts)
+
+    return give_up
+
+
+def size_cap(root: Path, size: int) -> int:
+    """The most bytes the manifest of the mirror ``root`` may hold, found out as far as
+    a manifest of ``size`` bytes needs: :data:`BASE_BYTES`, and :data:`ENTRY_BYTES`
+    for each entry of the mirror's tree (links not followed), counted until ``size``
+    fits or the tree ends."""
+    cap = BASE_BYTES
+    pending = [root]
+    while pending and cap < size:
+        try:
+            with os.scandir(pending.pop()) as entries:
+                for entry in entries:
+                    cap += ENTRY_BYTES
+                    if entry.is_dir(follow_symlinks=False):
+                        pending.append(Path(entry.path))
+        except (NotADirectoryError, FileNotFoundError, PermissionError):
+            continue  # changed under the count, or unreadable: counts as nothing
+    return cap
 
 
 def write(

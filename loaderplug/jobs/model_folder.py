@@ -3,7 +3,9 @@
 A Hugging Face cache keeps content in ``blobs/`` and points ``snapshots/<rev>/<name>``
 at it with relative symlinks; those must round-trip as symlinks. A symlink that escapes
 the tree, or a special file (FIFO, socket, device), is refused and reported: copying it
-would either reach outside the model or block forever.
+would either reach outside the model or block forever. Whether a link escapes is found
+by following the links actually in the tree (:mod:`loaderplug.storage.link_targets`),
+never by its text alone: a ``..`` after a link climbs from the link's target.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from pathlib import Path
 
 from loaderplug.errors import MirrorError
 from loaderplug.jobs.file_sink import is_temp_name
+from loaderplug.storage.link_targets import refused_links
 
 LOCK_NAME = ".loaderplug.lock"
 FILE_LOCK_SUFFIX = ".loaderplug-lock"
@@ -51,7 +54,9 @@ class Tree:
 
 
 def symlink_problem(rel: str, target: str) -> str | None:
-    """Why a symlink at ``rel`` pointing at ``target`` cannot be recreated, or None."""
+    """Why a symlink at ``rel`` pointing at ``target`` cannot be recreated by its text
+    alone, or None. A first look at a link named in a listing: the links it passes
+    through are followed when it is placed (:func:`loaderplug.jobs.placing.place_symlinks`)."""
     if posixpath.isabs(target):
         return f"symlink to an absolute path ({target}) is refused; only relative links are kept"
     resolved = posixpath.normpath(posixpath.join(posixpath.dirname(rel), target))
@@ -71,8 +76,10 @@ def path_problem(rel: str) -> str | None:
 
 
 def walk(root: Path) -> Tree:
-    """Everything under ``root``, without following symlinks."""
+    """Everything under ``root``, without following symlinks; a link is kept if,
+    followed through the tree's other links, it stays inside."""
     tree = Tree()
+    links: dict[str, str] = {}
     pending = [""]
     while pending:
         rel_dir = pending.pop()
@@ -90,12 +97,7 @@ def walk(root: Path) -> Tree:
                 rel = f"{rel_dir}/{entry.name}" if rel_dir else entry.name
                 st = entry.stat(follow_symlinks=False)
                 if stat.S_ISLNK(st.st_mode):
-                    target = os.readlink(entry.path)
-                    problem = symlink_problem(rel, target)
-                    if problem:
-                        tree.refused[rel] = problem
-                    else:
-                        tree.symlinks[rel] = target
+                    links[rel] = os.readlink(entry.path)
                 elif stat.S_ISDIR(st.st_mode):
                     tree.dirs.append(rel)
                     pending.append(rel)
@@ -103,6 +105,10 @@ def walk(root: Path) -> Tree:
                     tree.files[rel] = st
                 else:
                     tree.refused[rel] = "special file (device, FIFO or socket) is refused"
+    # Judged together, once the whole tree is known: a link's meaning depends on others.
+    refused = refused_links(links)
+    tree.refused.update(refused)
+    tree.symlinks = {rel: target for rel, target in links.items() if rel not in refused}
     return tree
 
 

@@ -50,7 +50,7 @@ from loaderplug.jobs.placing import (
     check_destination,
     check_nothing_to_write,
     make_dirs,
-    place_symlink,
+    place_symlinks,
 )
 from loaderplug.jobs.plan import FileEntry, Listing, Plan
 from loaderplug.jobs.progress import ProgressBar
@@ -58,6 +58,7 @@ from loaderplug.plugins.manager import Plugins
 from loaderplug.report import TransferReport
 from loaderplug.settings import Settings
 from loaderplug.storage.mounts import is_network_type
+from loaderplug.storage.safe_paths import LinkOnPath, guard_root, unlink_below
 from loaderplug.types import FileResult, Identity, IOPolicy, Status
 
 
@@ -122,7 +123,7 @@ class Runner:
             prepared = self._prepare(listing)
             for leftover in leftovers:
                 if leftover not in prepared.resumed:  # a partial copy resumed stays
-                    leftover.unlink(missing_ok=True)
+                    _sweep(plan.destination, leftover)
             if read_only:
                 check_nothing_to_write(plan.job, plan.destination, prepared.stale, read_only)
             if plan.delivery is not None and not prepared.stale:
@@ -149,7 +150,7 @@ class Runner:
             self._finish_partial_copies(listing, prepared)
         for entry in listing.files:
             requested, copy_to, note = str(entry.source), entry.copy_to, ""
-            if copy_to is not None and is_current_copy(copy_to, entry.identity):
+            if copy_to is not None and self._is_current(copy_to, entry.identity):
                 if self.plan.delivery is None:
                     prepared.results.append(FileResult(entry.rel, "skipped", entry.identity.size))
                     continue
@@ -168,7 +169,7 @@ class Runner:
             e
             for e in listing.files
             if e.copy_to is not None
-            and not is_current_copy(e.copy_to, e.identity)
+            and not self._is_current(e.copy_to, e.identity)
             and read_landed(e.copy_to, e.identity) is not None
         ]
         if not partial:
@@ -186,6 +187,10 @@ class Runner:
         prepared.resumed.update(p for e in partial if e.copy_to for p in temps_of(e.copy_to))
         if not report.ok:
             raise TransferFailed(report)
+
+    def _is_current(self, copy_to: Path, identity: Identity) -> bool:
+        # Reached as it is written: a copy behind a link in the destination is none.
+        return is_current_copy(copy_to, identity, root=self.plan.destination)
 
     def _prepare_entry(
         self, entry: FileEntry, prepared: _Prepared, requested: str, note: str
@@ -226,6 +231,7 @@ class Runner:
             fsync=self.settings.fsync,
             mode=entry.mode,
             resume=resume,
+            root=self.plan.destination,
         )
         expected = self.plan.expect(entry.rel) if self.plan.expect is not None else None
         if expected is None:
@@ -283,11 +289,7 @@ class Runner:
         results = prepared.results + stats.results
         failed = {r.path for r in results if r.status == "failed"} | set(listing.refused)
         root = plan.destination
-        others = [
-            place_symlink(root, rel, target, failed)
-            for rel, target in sorted(listing.symlinks.items())
-            if root is not None
-        ]
+        others = place_symlinks(root, listing.symlinks, failed) if root is not None else []
         others += [
             FileResult(rel, "failed", reason=reason)
             for rel, reason in sorted(listing.refused.items())
@@ -379,6 +381,13 @@ def _acquire(locks: list[Lock]) -> tuple[float, str]:
             raise
         return waited, f"{exc.strerror or exc}: {exc.filename}"
     return waited, ""
+
+
+def _sweep(root: Path | None, leftover: Path) -> None:
+    """Remove what a killed run left, reached without following a link in ``root``:
+    one found through a link is not this job's (its file fails on its own)."""
+    with contextlib.suppress(FileNotFoundError, NotADirectoryError, LinkOnPath):
+        unlink_below(guard_root(root, leftover), leftover)
 
 
 def _no_stats(settings: Settings) -> EngineStats:

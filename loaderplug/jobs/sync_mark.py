@@ -16,6 +16,12 @@ NFS handle, EIO or ENOMEM under load) is retried, and only a mark proven to be a
 syncer's (another token) or gone is "not mine". Taking one failed read for a lost mark
 would stop the refresh (the mark then goes stale and the mirror is refused) or leave the
 mark of a sync that succeeded.
+
+The mark's name is on a shared volume, where anything may have been put: it is created
+``O_EXCL | O_NOFOLLOW``, read and touched only as a regular file of at most
+:data:`MARK_BYTES` (never through a link, never a FIFO, whose open would block), and
+replaced through a file created new (:mod:`loaderplug.storage.state_files`). Anything
+else at its name is refused at once: a hydrate or a sync then fails, naming it.
 """
 
 from __future__ import annotations
@@ -36,8 +42,13 @@ from types import TracebackType
 from loaderplug.engine.retry import Cancelled, GiveUp, RetryPolicy, as_raised, retrying
 from loaderplug.errors import MirrorError
 from loaderplug.jobs.model_folder import SYNC_MARK_NAME as MARK_NAME
+from loaderplug.storage.files import write_atomically
+from loaderplug.storage.state_files import UnsafeFile, open_regular, read_capped
 
 POLL_S = 0.2
+# The most a mark holds: a host name, a PID, a date and a token as JSON take a few
+# hundred bytes; a larger one was not written by loaderplug, and is not read.
+MARK_BYTES = 4096
 # A mark is read like any file of the mirror: with the default retry policy.
 READ_RETRY = RetryPolicy()
 
@@ -59,11 +70,8 @@ def read_mark(path: Path, retry: RetryPolicy = READ_RETRY) -> Mark | None:
     """The mark at ``path``, or None where there is none. A transient error is retried;
     one that persists, or any other, raises :class:`MirrorError`."""
 
-    def stat_and_read() -> tuple[os.stat_result, bytes]:
-        return os.stat(path), path.read_bytes()
-
     try:
-        (st, raw), _ = retrying(stat_and_read, retry, _cannot_read(path))
+        (raw, st), _ = retrying(lambda: _read(path), retry, _cannot_read(path))
     except FileNotFoundError:
         return None
     try:
@@ -75,6 +83,10 @@ def read_mark(path: Path, retry: RetryPolicy = READ_RETRY) -> Mark | None:
     return Mark(owner, max(0.0, time.time() - st.st_mtime), abandoned)
 
 
+def _read(path: Path) -> tuple[bytes, os.stat_result]:
+    return read_capped(path, MARK_BYTES, "a sync mark")
+
+
 def _cannot_read(path: Path) -> GiveUp:
     """What reading the mark at ``path`` raises when it gives up: FileNotFoundError where
     the mark is gone (no mark, which callers expect), else a MirrorError."""
@@ -82,6 +94,11 @@ def _cannot_read(path: Path) -> GiveUp:
     def give_up(exc: OSError, attempts: int | None) -> Exception:
         if isinstance(exc, FileNotFoundError):
             return as_raised(exc, attempts)
+        if isinstance(exc, UnsafeFile):
+            return MirrorError(
+                f"{path}: {exc.strerror}; a sync mark is a small regular file that "
+                f"`loaderplug sync` writes: remove what is there, then sync the mirror again"
+            )
         tried = f"after {attempts} attempts" if attempts else "not a transient error"
         return MirrorError(
             f"{path}: could not read this sync mark ({exc.strerror}, errno {exc.errno}, "
@@ -165,7 +182,8 @@ class SyncMark(contextlib.AbstractContextManager["SyncMark"]):
             "token": self.token,
         }
         try:
-            fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+            fd = os.open(self.path, flags, 0o644)
         except FileExistsError:
             return False
         with os.fdopen(fd, "w", encoding="utf-8") as f:
@@ -185,7 +203,8 @@ class SyncMark(contextlib.AbstractContextManager["SyncMark"]):
         mark = read_mark(aside, self.retry)
         if mark is not None and mark.live(self.stale_s):
             with contextlib.suppress(OSError):
-                os.link(aside, self.path)  # no clobbering: fails if another mark is there
+                # No clobbering: fails if another mark is there.
+                os.link(aside, self.path, follow_symlinks=False)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(aside)
 
@@ -209,7 +228,7 @@ class SyncMark(contextlib.AbstractContextManager["SyncMark"]):
         if self._own(cancel=self._stop) is None:
             return False
         try:
-            retrying(lambda: os.utime(self.path), self.retry, as_raised)
+            retrying(lambda: _touch(self.path), self.retry, as_raised)
         except FileNotFoundError:
             return False
         return True
@@ -220,8 +239,8 @@ class SyncMark(contextlib.AbstractContextManager["SyncMark"]):
         being made: this one's was written whole before it was used). A read that keeps
         failing raises :class:`MirrorError`: the mark's owner is then unknown."""
         try:
-            raw, _ = retrying(
-                self.path.read_bytes, self.retry, _cannot_read(self.path), cancel=cancel
+            (raw, _), _ = retrying(
+                lambda: _read(self.path), self.retry, _cannot_read(self.path), cancel=cancel
             )
         except FileNotFoundError:
             return None
@@ -270,13 +289,17 @@ class SyncMark(contextlib.AbstractContextManager["SyncMark"]):
         )
 
 
+def _touch(path: Path) -> None:
+    """Refresh the mark's mtime through a descriptor of it: never a link's target."""
+    fd = open_regular(path)
+    try:
+        os.utime(fd)
+    finally:
+        os.close(fd)
+
+
 def write_mark(path: Path, data: dict[str, object]) -> None:
     """Replace the mark at ``path`` with ``data`` in one rename: a reader sees the old
     mark or the new, never a torn one."""
     part = path.with_name(f"{path.name}.{secrets.token_hex(4)}.part")
-    try:
-        part.write_text(json.dumps(data), encoding="utf-8")
-        os.replace(part, path)
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            part.unlink()
+    write_atomically(path, json.dumps(data), temp=part, fsync=False)

@@ -5,9 +5,12 @@ A small file or link is made aside under a hidden name the caller chooses (a loa
 temp name where a later run may sweep it, another where a copy running under the
 folder's lock must not), made durable where asked, and renamed over its destination;
 with ``fsync`` the folder is synced after the rename, so the rename itself survives a
-crash: a reader sees the old one or the new one, never half of either. The files a job
-copies go through :class:`loaderplug.jobs.file_sink.FileSink`, which does the same with
-preallocation and ranges.
+crash: a reader sees the old one or the new one, never half of either. The file aside
+is created new and written, synced and renamed through the descriptor it was created
+with (:mod:`loaderplug.storage.state_files`): a link or a FIFO planted at its name is
+removed, never written through. The files a job copies go through
+:class:`loaderplug.jobs.file_sink.FileSink`, which does the same with preallocation and
+ranges.
 """
 
 from __future__ import annotations
@@ -16,22 +19,27 @@ import errno
 import os
 from pathlib import Path
 
+from loaderplug.storage.state_files import create_new, open_regular, replace_checked
+
 __all__ = ["fsync_dir", "open_direct", "replace_with_link", "sync_file", "write_atomically"]
 
 
 def write_atomically(path: Path, data: str | bytes, *, temp: Path, fsync: bool) -> None:
     """Write ``data`` to ``path`` through ``temp`` (text as UTF-8)."""
-    raw = data.encode() if isinstance(data, str) else data
+    raw = memoryview(data.encode() if isinstance(data, str) else data)
+    fd = create_new(temp, mode=0o666)  # as open() makes a file: the umask decides
     try:
-        with open(temp, "wb") as f:
-            f.write(raw)
-            if fsync:
-                f.flush()
-                os.fsync(f.fileno())
-        os.replace(temp, path)
+        done = 0
+        while done < len(raw):
+            done += os.write(fd, raw[done:])
+        if fsync:
+            os.fsync(fd)
+        replace_checked(fd, temp, path)
     except BaseException:
         temp.unlink(missing_ok=True)
         raise
+    finally:
+        os.close(fd)
     if fsync:
         fsync_dir(path.parent)
 
@@ -60,8 +68,8 @@ def fsync_dir(path: Path) -> None:
 
 def sync_file(path: Path, *, data_only: bool = False) -> None:
     """Make ``path``'s bytes durable (with ``data_only``, ``fdatasync``: its size and
-    bytes, not its other metadata)."""
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    bytes, not its other metadata). Never through a link, never a FIFO."""
+    fd = open_regular(path)
     try:
         (os.fdatasync if data_only else os.fsync)(fd)
     finally:

@@ -10,6 +10,10 @@ with the figures and the date; later jobs use what it recorded. A warm file, a f
 memory, a file too small to tell, or a mount that cannot be probed keeps the table's
 answer, as does ``LOADERPLUG_IO_PROBE=off``; ``LOADERPLUG_DIRECT_IO=on|off`` overrides
 both.
+
+The cache file, its lock and its temp file are state files
+(:mod:`loaderplug.storage.state_files`): never reached through a link, the temp file
+created new, the cache read only as a regular file of at most :data:`CACHE_BYTES`.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from typing import Any
 from loaderplug.storage.files import write_atomically
 from loaderplug.storage.residency import WARM_FRACTION, cached_fraction
 from loaderplug.storage.source import PosixSource, aligned_buffer
+from loaderplug.storage.state_files import UnsafeFile, open_or_create, open_regular, read_capped
 from loaderplug.types import IOPolicy
 from loaderplug.units import MiB
 
@@ -51,6 +56,9 @@ COLDEST_PROBED = 0.05
 MOST_LOOKED_AT = 1000
 # The other mode must be this much faster to overturn the table's guess (noise).
 MARGIN = 1.05
+
+# The most the cache file holds: a few hundred bytes a mount; more is not read.
+CACHE_BYTES = 1024 * 1024
 
 _lock = threading.Lock()
 
@@ -107,7 +115,7 @@ def _entries() -> Any:
     global _parsed
     path = cache_file()
     try:
-        st = os.stat(path)
+        st = os.lstat(path)
     except OSError:
         return {}
     signature = (st.st_mtime_ns, st.st_size, st.st_ino)
@@ -126,18 +134,24 @@ def _read_entries(path: Path) -> dict[str, Any]:
     """The file's measurements by mount; a file that is not such a table (torn, garbage,
     another program's) counts as none, said once: the mounts are measured again."""
     try:
-        entries = json.loads(path.read_text())
+        entries = json.loads(read_capped(path, CACHE_BYTES, "the IO-policy cache")[0])
     except FileNotFoundError:
         return {}
+    except UnsafeFile as exc:
+        entries = exc.strerror
     except (OSError, ValueError) as exc:
         entries = exc
     if isinstance(entries, dict):
         return entries
-    if str(path) not in _warned:
-        _warned.add(str(path))
-        log.warning("loaderplug: ignoring %s, which is not a table of measurements (%s); "
-                    "mounts will be measured again", path, entries)  # fmt: skip
+    _warn_once(str(path), f"ignoring {path}, which is not a table of measurements "
+               f"({entries}); mounts will be measured again")  # fmt: skip
     return {}
+
+
+def _warn_once(path: str, message: str) -> None:
+    if path not in _warned:
+        _warned.add(path)
+        log.warning("loaderplug: %s", message)
 
 
 def _record(key: str, measurement: Measurement, *, replace: bool = False) -> Measurement:
@@ -149,7 +163,7 @@ def _record(key: str, measurement: Measurement, *, replace: bool = False) -> Mea
     with _lock:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            with open(path.with_name(f".{path.name}.lock"), "a") as lock:
+            with open(open_or_create(path.with_name(f".{path.name}.lock")), "rb") as lock:
                 fcntl.flock(lock, fcntl.LOCK_EX)
                 entries = _read_entries(path)
                 kept = entries.get(key)
@@ -159,6 +173,8 @@ def _record(key: str, measurement: Measurement, *, replace: bool = False) -> Mea
                 entries[key] = asdict(measurement)
                 temp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
                 write_atomically(path, json.dumps(entries, indent=1), temp=temp, fsync=False)
+        except UnsafeFile as exc:  # a link or a FIFO planted in the cache: said once
+            _warn_once(str(exc.filename), f"not keeping the measurement: {exc}")
         except OSError:
             pass  # a read-only home: the next job measures again
     return measurement
@@ -357,7 +373,7 @@ def remeasure(path: str, guess: IOPolicy, direct_alignment: int) -> Measurement 
 
 def _forget(path: str, start: int, length: int) -> None:
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        fd = open_regular(path, follow=True)
     except OSError:
         return
     try:

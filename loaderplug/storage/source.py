@@ -3,6 +3,10 @@
 A :class:`PosixSource` is opened by each worker for each file it reads from, so no
 descriptor is shared between threads; the file's identity is checked through it after
 every read, and once more through a fresh open before the copy is published.
+
+A source is opened without blocking and must then be a regular file: a mirror's file
+swapped for a FIFO (or a device) after it was listed fails its open at once, rather
+than block a reader forever with the destination's lock held.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ import mmap
 import os
 import threading
 
-from loaderplug.storage.files import open_direct
+from loaderplug.storage.state_files import open_regular
 from loaderplug.types import Identity, IOPolicy
 
 log = logging.getLogger(__name__)
@@ -48,12 +52,11 @@ class PosixSource:
     def __init__(self, path: str, policy: IOPolicy) -> None:
         self.path = path
         self.policy = policy
-        flags = os.O_RDONLY | os.O_CLOEXEC
-        fd = open_direct(path, flags) if policy.direct else None
+        fd = _open_direct(path) if policy.direct else None
         if policy.direct and fd is None:
             _note_fallback(policy, path)
         self.direct = fd is not None
-        self._fd = fd if fd is not None else os.open(path, flags)
+        self._fd = fd if fd is not None else _open_buffered(path)
         self._size = os.fstat(self._fd).st_size
 
     @property
@@ -72,7 +75,7 @@ class PosixSource:
         align = self.policy.alignment
         if self.direct:
             if offset % align or len(buf) % align:
-                self._reopen(direct=False)  # an unaligned request: not a refusal
+                self._reopen_buffered()  # an unaligned request: not a refusal
             else:
                 try:
                     return self._read_loop(buf, offset, stop_on_unaligned=align)
@@ -80,7 +83,7 @@ class PosixSource:
                     if exc.errno != errno.EINVAL:
                         raise
                     _note_fallback(self.policy, self.path)
-                    self._reopen(direct=False)
+                    self._reopen_buffered()
         return self._read_loop(buf, offset, stop_on_unaligned=0)
 
     def _read_loop(self, buf: memoryview, offset: int, *, stop_on_unaligned: int) -> int:
@@ -96,13 +99,32 @@ class PosixSource:
                 break
         return done
 
-    def _reopen(self, *, direct: bool) -> None:
-        fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC | (os.O_DIRECT if direct else 0))
+    def _reopen_buffered(self) -> None:
+        fd = _open_buffered(self.path)
         os.close(self._fd)
         self._fd = fd
-        self.direct = direct
+        self.direct = False
 
     def close(self) -> None:
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
+
+
+def _open_buffered(path: str) -> int:
+    """``path`` open for reading as a regular file (a link to one is followed: a mirror's
+    files may be links into its blobs)."""
+    return open_regular(path, os.O_RDONLY, follow=True)
+
+
+def _open_direct(path: str) -> int | None:
+    """:func:`_open_buffered` with O_DIRECT; None where the kernel refuses direct IO for
+    it (EINVAL: tmpfs, some FUSE servers)."""
+    if not hasattr(os, "O_DIRECT"):
+        return None
+    try:
+        return open_regular(path, os.O_RDONLY | os.O_DIRECT, follow=True)
+    except OSError as exc:
+        if exc.errno != errno.EINVAL:
+            raise
+        return None

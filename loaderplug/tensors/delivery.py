@@ -57,6 +57,7 @@ from loaderplug.tensors.sinks import (
     MappedTensors,
     PageCacheTensorSink,
     TensorSink,
+    torch_dtypes,
 )
 from loaderplug.types import FileResult, Identity, IOPolicy
 from loaderplug.units import MiB
@@ -158,6 +159,9 @@ class TensorDelivery:
         if self.started is None:
             self.started = time.monotonic()
         header, seen = self._read_header(entry, policy, open_source)
+        # A dtype or shape this torch cannot hold fails the load as a bad file, at once,
+        # whichever sink would have met it.
+        torch_dtypes(header)
         self.headers[entry.rel] = header
         if entry.copy_to is None and self._serve_here(entry, policy, header, seen, open_source):
             return None

@@ -24,6 +24,15 @@ enforces them:
   shape needs: the element count (a running product of the dimensions) and its size in
   bits stay below 2**64, and the bits make whole bytes.
 
+Parsing takes memory in proportion to the header, never to what it claims: what it keeps
+is a few dozen bytes a tensor (:mod:`loaderplug.tensors.header_table`), each entry is
+decoded on its own and dropped, and whatever is large or nested (an unknown field of a
+million numbers, a shape of a million dimensions, a huge metadata) is checked over the
+bytes without being built (:mod:`loaderplug.tensors.header_json`). A header as
+safetensors writes it (its tensors in the order of their offsets) is parsed within
+:data:`MEMORY_FACTOR` times its size; any other, within :data:`MOST_MEMORY_FACTOR`
+times (its tensors must then be sorted).
+
 What torch cannot hold (a dtype it lacks, such as ``F6_E2M3``; ``F4`` with an odd last
 dimension; a dimension past 2**63 - 1) is refused as ``safetensors.torch`` refuses it,
 when tensors are made (:func:`loaderplug.tensors.sinks.torch_dtypes`), not here: such a
@@ -32,22 +41,38 @@ file is a valid safetensors file, and a hydrate copies it.
 
 from __future__ import annotations
 
+import codecs
+import itertools
 import json
 import re
 import reprlib
 import struct
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 from loaderplug.errors import FormatError
 from loaderplug.tensors.dtypes import DTYPES
+from loaderplug.tensors.header_json import MAX_DEPTH, RUN, Scanner
+from loaderplug.tensors.header_table import PackedMetadata, Tensors, TensorTable
+from loaderplug.tensors.header_table import TensorInfo as TensorInfo
 
 # Above this a header is refused outright, as safetensors does: real headers are
 # kilobytes to a few MB.
 MAX_HEADER_BYTES = 100_000_000
 LENGTH_BYTES = 8
-# serde_json's recursion limit: arrays and objects nested deeper than this are refused.
-MAX_DEPTH = 127
+# The memory a parse takes, as a multiple of the header's size: a header as safetensors
+# writes it, and any header (tests/test_header_memory.py measures both).
+MEMORY_FACTOR = 2
+MOST_MEMORY_FACTOR = 4
+# An entry this long is decoded with Python's json at once (its objects are then a few
+# hundred kilobytes at the most); a longer one is walked over its bytes. A typical entry
+# (no nested container) is first matched whole within FAST_BYTES.
+FAST_BYTES = 4096
+SMALL_BYTES = 64 * 1024
+# No dtype's name, every letter escaped, is longer.
+DTYPE_TOKEN_BYTES = 256
+# UTF-8 is checked this many bytes at a time (a piece decoded may take four times that).
+UTF8_CHUNK = 1 << 16
 # Shapes and offsets are Rust ``usize`` values, and their products are checked in it.
 USIZE_MAX = 2**64 - 1
 _FIELDS = ("dtype", "shape", "data_offsets")
@@ -57,34 +82,11 @@ _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 @dataclass(frozen=True)
-class TensorInfo:
-    """One tensor: where its bytes are in the *file* (absolute offsets) and what they are."""
-
-    name: str
-    dtype: str
-    shape: tuple[int, ...]  # as the header gives it
-    begin: int
-    end: int
-
-    @property
-    def nbytes(self) -> int:
-        """The tensor's bytes in the file."""
-        return self.end - self.begin
-
-    @property
-    def torch_shape(self) -> tuple[int, ...]:
-        """The shape torch gives it, as ``safetensors.torch`` does (a packed sub-byte dtype
-        divides the last dimension); ValueError where torch has none, which
-        :func:`loaderplug.tensors.sinks.torch_dtypes` reports before any read."""
-        return DTYPES[self.dtype].torch_shape(self.shape)
-
-
-@dataclass(frozen=True)
 class Header:
     path: str
     size: int  # the file's size in bytes
     data_start: int  # absolute offset of the data area
-    tensors: tuple[TensorInfo, ...]  # sorted by begin
+    tensors: Sequence[TensorInfo]  # sorted by begin (made as they are asked for)
     metadata: Mapping[str, str]
 
 
@@ -108,22 +110,138 @@ def header_length(path: str, first8: bytes, file_size: int) -> int:
 def parse_header(path: str, raw: bytes, file_size: int) -> Header:
     """Validate the JSON header ``raw`` (without its 8-byte length) of a ``file_size`` file."""
     data_start = LENGTH_BYTES + len(raw)
-    doc = _json(path, raw)
-    if not isinstance(doc, (dict, _Pairs)):
-        raise FormatError(f"{path}: header is {type(doc).__name__}, expected a JSON object")
-    metadata: dict[str, str] = {}
-    seen_metadata = False
-    entries: dict[str, _Entry] = {}
-    for key, value in _items(doc):
-        if key != "__metadata__":
-            entries[key] = _entry(path, key, value)  # each is checked; the last one counts
-        elif seen_metadata:
-            raise FormatError(f"{path}: __metadata__ appears twice")
+    _check_utf8(path, raw)
+    table = TensorTable()
+    metadata = _walk(Scanner(path, raw), table)
+    order = table.order()
+    _layout(path, table, order, file_size - data_start)
+    table.done()
+    return Header(path, file_size, data_start, Tensors(table, order, data_start), metadata)
+
+
+def _check_utf8(path: str, raw: bytes) -> None:
+    """The whole header is UTF-8 (as serde reads it first), checked a chunk at a time so
+    no string of the whole header is ever made."""
+    if raw.isascii():
+        return
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    view = memoryview(raw)
+    for at in range(0, len(raw), UTF8_CHUNK):
+        try:
+            decoder.decode(view[at : at + UTF8_CHUNK], final=at + UTF8_CHUNK >= len(raw))
+        except UnicodeDecodeError as exc:
+            raise FormatError(
+                f"{path}: header is not valid UTF-8 (byte {at + exc.start}: {exc.reason})"
+            ) from None
+
+
+def _walk(scan: Scanner, table: TensorTable) -> Mapping[str, str]:
+    """Every member of the header's object: tensors into ``table``; the metadata."""
+    pos = scan.ws(0)
+    if scan.byte(pos) != ord("{"):
+        raise _not_an_object(scan, pos)
+    metadata: Mapping[str, str] | None = None
+    pos = scan.ws(pos + 1)
+    while scan.byte(pos) != ord("}"):  # a member; after a comma one must follow
+        if scan.byte(pos) != ord('"'):
+            raise scan.error(f"expected a key at byte {pos}")
+        key_end = scan.string(pos)
+        begin = scan.ws(scan.expect(key_end, b":"))
+        name = scan.text_view(pos, key_end)
+        if name != b"__metadata__":
+            end = _tensor(scan, table, name, begin)
+        elif metadata is not None:
+            raise FormatError(f"{scan.path}: __metadata__ appears twice")
         else:
-            seen_metadata = True
-            metadata = _metadata(path, value)
-    tensors = _layout(path, entries, data_start, file_size - data_start)
-    return Header(path, file_size, data_start, tensors, metadata)
+            metadata, end = _metadata_at(scan, begin)
+        pos = scan.ws(end)
+        if scan.byte(pos) == ord("}"):
+            break
+        pos = scan.ws(scan.expect(pos, b","))
+        if scan.byte(pos) != ord('"'):
+            raise scan.error(f"expected a key at byte {pos}")
+    if scan.ws(pos + 1) != len(scan.raw):
+        raise scan.error(f"unexpected data at byte {scan.ws(pos + 1)}, after the header's object")
+    return {} if metadata is None else metadata
+
+
+def _not_an_object(scan: Scanner, pos: int) -> FormatError:
+    if pos >= len(scan.raw):
+        return scan.error("the header is empty")
+    end = scan.skip_value(pos, 1)
+    if scan.ws(end) != len(scan.raw):
+        return scan.error(f"unexpected data at byte {scan.ws(end)}")
+    if end - pos <= SMALL_BYTES:
+        kind = type(_decoded(scan, pos, end, 1)).__name__
+    else:
+        kind = {ord("["): "list", ord('"'): "str"}.get(scan.byte(pos), "int")
+    return FormatError(f"{scan.path}: header is {kind}, expected a JSON object")
+
+
+# A tensor's entry as safetensors writes it: an object (or an array) holding no object,
+# and arrays holding no container; Python's json decodes it at once.
+_STR = rb'"(?:[^"\\]|\\.)*"'
+_ARRAY = rb"\[(?:[^\"\[\]{}]|" + _STR + rb")*\]"
+_ITEMS = rb"(?:[^\"\[\]{}]|" + _STR + rb"|" + _ARRAY + rb")*"
+_FLAT = re.compile(rb"\{" + _ITEMS + rb"\}|\[" + _ITEMS + rb"\]")
+
+
+def _tensor(scan: Scanner, table: TensorTable, name: bytes | memoryview, begin: int) -> int:
+    """Check the entry of the tensor ``name`` at ``begin`` and add it to ``table``;
+    returns where the entry ends."""
+    shown = _name(name)
+    flat = _FLAT.match(scan.raw, begin, begin + FAST_BYTES)
+    end = flat.end() if flat is not None else scan.skip_value(begin, 2)
+    if end - begin > SMALL_BYTES:
+        table.add(name, *_large_entry(scan, shown, begin, end))
+        return end
+    value = _decoded(scan, begin, end, 2)
+    dtype, shape, offsets = _fields(scan.path, shown, value)
+    table.add(name, *_checked(scan.path, shown, dtype, shape, offsets))
+    return end
+
+
+def _name(name: bytes | memoryview) -> str:
+    """A tensor's name for messages (a hostile one may be huge)."""
+    return bytes(name[:200]).decode(errors="replace") + ("..." if len(name) > 200 else "")
+
+
+def _decoded(scan: Scanner, begin: int, end: int, depth: int) -> object:
+    """The value ``[begin, end)`` (one, at ``depth``), decoded as strictly as serde."""
+    text = scan.raw[begin:end].decode()
+    decoder = _SERDE_INT_DECODER if _NEGATIVE_ZERO.search(text) else _DECODER
+    try:
+        value, stop = decoder.raw_decode(text)
+    except (json.JSONDecodeError, _Refused) as exc:
+        raise FormatError(f"{scan.path}: header is not valid JSON ({exc})") from exc
+    except ValueError as exc:  # int()'s digit limit: far past a float's range
+        raise scan.error("a number out of range") from exc
+    except RecursionError as exc:
+        raise scan.too_deep() from exc
+    if stop != len(text):
+        raise scan.error(f"unexpected data at byte {begin + stop}")
+    if _SURROGATE_ESCAPE.search(text):
+        _check_nested(scan.path, value, depth, strings=True)
+    return value
+
+
+def _metadata_at(scan: Scanner, begin: int) -> tuple[Mapping[str, str], int]:
+    """The ``__metadata__`` at ``begin``, and where it ends."""
+    end = scan.skip_value(begin, 2)
+    if end - begin <= SMALL_BYTES:
+        return _metadata(scan.path, _decoded(scan, begin, end, 2)), end
+    if scan.byte(begin) != ord("{"):
+        kind = "an array" if scan.byte(begin) == ord("[") else "a string"
+        raise FormatError(f"{scan.path}: __metadata__ is {kind}, expected an object")
+    packed = PackedMetadata()
+    for key_begin, key_end, value_begin, value_end in scan.members(begin, 2):
+        key = scan.text(key_begin, key_end)
+        if scan.byte(value_begin) != ord('"'):
+            raise FormatError(
+                f"{scan.path}: __metadata__[{_name(key)!r}] is not a string, expected one"
+            )
+        packed.add(key, scan.text_view(value_begin, value_end))
+    return packed, end
 
 
 # -- JSON, as strict as serde_json -------------------------------------------------------
@@ -185,25 +303,6 @@ _SERDE_INT_DECODER = json.JSONDecoder(
 )
 # An integer this long may be past a float's range; float() tells.
 _LONG_INT_BITS = 1000
-
-
-def _json(path: str, raw: bytes) -> object:
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise FormatError(f"{path}: header is not valid UTF-8 ({exc})") from exc
-    decoder = _SERDE_INT_DECODER if _NEGATIVE_ZERO.search(text) else _DECODER
-    try:
-        doc = decoder.decode(text)
-    except (json.JSONDecodeError, _Refused) as exc:
-        raise FormatError(f"{path}: header is not valid JSON ({exc})") from exc
-    except ValueError as exc:  # int()'s digit limit: far past a float's range
-        raise FormatError(f"{path}: header is not valid JSON (a number out of range)") from exc
-    except RecursionError as exc:
-        raise _too_deep(path) from exc
-    if _SURROGATE_ESCAPE.search(text):
-        _check_nested(path, doc, 1, strings=True)
-    return doc
 
 
 def _too_deep(path: str) -> FormatError:
@@ -320,42 +419,147 @@ def _metadata(path: str, value: object) -> dict[str, str]:
     return metadata
 
 
-def _entry(path: str, name: str, value: object) -> _Entry:
-    """A tensor's ``(dtype, shape, begin, end)``, its offsets relative to the data area."""
+def _fields(path: str, name: str, value: object) -> tuple[object, object, object]:
+    """A tensor's decoded entry's ``dtype``, ``shape`` and ``data_offsets`` values."""
     if isinstance(value, (dict, _Pairs)):
         if isinstance(value, _Pairs) or len(value) != len(_FIELDS):
             _check_fields(path, name, value)  # a field repeated, or an unknown one
         fields = value if isinstance(value, dict) else dict(value)
         try:
-            dtype, shape, offsets = fields["dtype"], fields["shape"], fields["data_offsets"]
+            return fields["dtype"], fields["shape"], fields["data_offsets"]
         except KeyError as exc:
             raise FormatError(f"{path}: tensor {name!r}: missing field {exc}") from None
-    elif isinstance(value, list):
+    if isinstance(value, list):
         if len(value) != len(_FIELDS):
-            raise FormatError(
-                f"{path}: tensor {name!r}: entry is an array of {len(value)}, expected an "
-                f"object (or an array of dtype, shape and data_offsets)"
-            )
-        dtype, shape, offsets = value
-    else:
-        raise FormatError(f"{path}: tensor {name!r}: entry is {_kind(value)}, expected an object")
+            raise _array_of(path, name, len(value))
+        return value[0], value[1], value[2]
+    raise FormatError(f"{path}: tensor {name!r}: entry is {_kind(value)}, expected an object")
+
+
+def _array_of(path: str, name: str, count: int) -> FormatError:
+    return FormatError(
+        f"{path}: tensor {name!r}: entry is an array of {count}, expected an "
+        f"object (or an array of dtype, shape and data_offsets)"
+    )
+
+
+def _checked(path: str, name: str, dtype: object, shape: object, offsets: object) -> _Entry:
+    """A tensor's ``(dtype, shape, begin, end)``, its offsets relative to the data area."""
+    dtype = _dtype(path, name, dtype)
+    if type(shape) is not list or not _usizes(shape):
+        raise _not_usizes(path, name, "shape", _show(shape))
+    if type(offsets) is not list or len(offsets) != 2 or not _usizes(offsets):
+        raise _not_usizes(path, name, "data_offsets", _show(offsets))
+    return dtype, tuple(shape), offsets[0], offsets[1]
+
+
+def _dtype(path: str, name: str, dtype: object) -> str:
     if isinstance(dtype, dict) and len(dtype) == 1 and None in dtype.values():
         (dtype,) = dtype  # {"F32": null}: serde's spelling of an enum's variant
     if not isinstance(dtype, str) or dtype not in DTYPES:
-        raise FormatError(
-            f"{path}: tensor {name!r}: unknown dtype {_show(dtype)}; known: {', '.join(DTYPES)}"
+        raise _unknown_dtype(path, name, _show(dtype))
+    return dtype
+
+
+def _unknown_dtype(path: str, name: str, shown: str) -> FormatError:
+    return FormatError(
+        f"{path}: tensor {name!r}: unknown dtype {shown}; known: {', '.join(DTYPES)}"
+    )
+
+
+def _not_usizes(path: str, name: str, field: str, shown: str) -> FormatError:
+    if field == "shape":
+        return FormatError(
+            f"{path}: tensor {name!r}: shape {shown} must be a list of integers in [0, 2**64)"
         )
-    if type(shape) is not list or not _usizes(shape):
-        raise FormatError(
-            f"{path}: tensor {name!r}: shape {_show(shape)} must be a list of integers "
-            f"in [0, 2**64)"
-        )
-    if type(offsets) is not list or len(offsets) != 2 or not _usizes(offsets):
-        raise FormatError(
-            f"{path}: tensor {name!r}: data_offsets {_show(offsets)} must be two integers "
-            f"[begin, end] in [0, 2**64)"
-        )
-    return dtype, tuple(shape), offsets[0], offsets[1]
+    return FormatError(
+        f"{path}: tensor {name!r}: data_offsets {shown} must be two integers "
+        f"[begin, end] in [0, 2**64)"
+    )
+
+
+# -- entries too large to decode: walked over the bytes -----------------------------------
+
+_WS = rb"[ \t\n\r]*"
+_USIZE = rb"(?:0|[1-9][0-9]{0,19})"
+# Up to RUN integers and their commas at a time: the engine's state stays bounded.
+_USIZES_RUN = re.compile(rb"(?:" + _WS + _USIZE + _WS + rb",){0,%d}" % RUN)
+_USIZES_END = re.compile(_WS + rb"(?:" + _USIZE + _WS + rb")?\]")
+_DIGITS = re.compile(rb"[0-9]+")
+
+
+def _large_entry(
+    scan: Scanner, name: str, begin: int, end: int
+) -> tuple[str, Iterator[int], int, int]:
+    """The checked entry ``[begin, end)`` too large to decode: its dtype, its shape's
+    dimensions (as they are read) and its offsets."""
+    char = scan.byte(begin)
+    spans: list[tuple[int, int]] = []
+    if char == ord("{"):
+        found: dict[bytes, tuple[int, int]] = {}
+        for key_begin, key_end, value_begin, value_end in scan.members(begin, 2):
+            # A longer key, escaped or not, is none of the fields: it is not even read.
+            key = scan.text(key_begin, key_end) if key_end - key_begin <= 128 else b""
+            if key.decode() in _FIELDS:
+                if key in found:
+                    raise FormatError(
+                        f"{scan.path}: tensor {name!r}: field {key.decode()!r} appears twice"
+                    )
+                found[key] = (value_begin, value_end)
+        for field in _FIELDS:
+            if field.encode() not in found:
+                raise FormatError(f"{scan.path}: tensor {name!r}: missing field {field!r}")
+            spans.append(found[field.encode()])
+    elif char == ord("["):
+        count = 0
+        for span in scan.elements(begin, 2):
+            count += 1
+            spans += [span] if count <= len(_FIELDS) else []
+        if count != len(_FIELDS):
+            raise _array_of(scan.path, name, count)
+    else:
+        kind = "a string" if char == ord('"') else "a number"
+        raise FormatError(f"{scan.path}: tensor {name!r}: entry is {kind}, expected an object")
+    dtype = _large_dtype(scan, name, *spans[0])
+    shape = _large_usizes(scan, name, "shape", *spans[1])
+    offsets = list(_large_usizes(scan, name, "data_offsets", *spans[2]))
+    if len(offsets) != 2:
+        raise _not_usizes(scan.path, name, "data_offsets", scan.show(*spans[2]))
+    return dtype, shape, offsets[0], offsets[1]
+
+
+def _large_dtype(scan: Scanner, name: str, begin: int, end: int) -> str:
+    if end - begin <= SMALL_BYTES:
+        return _dtype(scan.path, name, _decoded(scan, begin, end, 3))
+    # A string, or {"NAME": null} (serde's spelling of an enum's variant), spaced out:
+    # either way a name short enough to be one.
+    token = (begin, end) if scan.byte(begin) == ord('"') else None
+    if scan.byte(begin) == ord("{"):
+        members = list(itertools.islice(scan.members(begin, 3), 2))
+        if len(members) == 1 and scan.raw.startswith(b"null", members[0][2]):
+            token = members[0][:2]
+    if token is not None and token[1] - token[0] <= DTYPE_TOKEN_BYTES:
+        return _dtype(scan.path, name, scan.text(*token).decode())
+    raise _unknown_dtype(scan.path, name, scan.show(begin, end))
+
+
+def _large_usizes(scan: Scanner, name: str, field: str, begin: int, end: int) -> Iterator[int]:
+    """The integers of the array ``[begin, end)``, as they are read; FormatError where it
+    is not an array of usizes."""
+    pos = begin + 1
+    while (run := _USIZES_RUN.match(scan.raw, pos, end)) is not None and run.end() > pos:
+        pos = run.end()
+    if _USIZES_END.fullmatch(scan.raw, pos, end) is None:
+        raise _not_usizes(scan.path, name, field, scan.show(begin, end))
+
+    def values() -> Iterator[int]:
+        for digits in _DIGITS.finditer(scan.raw, begin, end):
+            value = int(digits.group())
+            if value > USIZE_MAX:
+                raise _not_usizes(scan.path, name, field, scan.show(begin, end))
+            yield value
+
+    return values()
 
 
 def _check_fields(path: str, name: str, fields: dict[str, object] | _Pairs) -> None:
@@ -371,13 +575,11 @@ def _check_fields(path: str, name: str, fields: dict[str, object] | _Pairs) -> N
             _check_nested(path, value, 3)  # the header, the entry, then this value
 
 
-def _layout(
-    path: str, entries: Mapping[str, _Entry], data_start: int, data_size: int
-) -> tuple[TensorInfo, ...]:
-    """The tensors in order of offsets, once they are seen to tile the data area."""
-    tensors = []
+def _layout(path: str, table: TensorTable, order: Sequence[int] | None, data_size: int) -> None:
+    """Check that the tensors, in order of offsets, tile the data area."""
     covered = 0
-    for name, (dtype, shape, begin, end) in sorted(entries.items(), key=lambda e: e[1][2:]):
+    for slot in range(len(table)) if order is None else order:
+        begin, end = table.begins[slot], table.ends[slot]
         if begin != covered or end < begin:
             problem = (
                 "ends before it begins"
@@ -387,32 +589,11 @@ def _layout(
                 else f"leaves bytes [{covered}, {begin}) of the data area unused"
             )
             raise FormatError(
-                f"{path}: tensor {name!r}: data_offsets [{begin}, {end}] {problem}; the "
-                f"tensors must cover the data area contiguously from byte 0"
+                f"{path}: tensor {_name(table.name(slot))!r}: data_offsets [{begin}, {end}] "
+                f"{problem}; the tensors must cover the data area contiguously from byte 0"
             )
         covered = end
-        count = 1
-        for d in shape:  # in order, as safetensors does: it refuses any product past 2**64
-            count *= d
-            if count > USIZE_MAX:
-                break
-        bits = count * DTYPES[dtype].bits
-        if bits > USIZE_MAX:
-            raise FormatError(
-                f"{path}: tensor {name!r}: shape {_show(list(shape))} of {dtype} overflows "
-                f"2**64 elements or bits"
-            )
-        if bits % 8:
-            raise FormatError(
-                f"{path}: tensor {name!r}: shape {_show(list(shape))} of {dtype} is {bits} "
-                f"bits, not a whole number of bytes"
-            )
-        if end - begin != bits // 8:
-            raise FormatError(
-                f"{path}: tensor {name!r}: holds {end - begin} bytes but shape "
-                f"{_show(list(shape))} of {dtype} needs {bits // 8}"
-            )
-        tensors.append(TensorInfo(name, dtype, shape, data_start + begin, data_start + end))
+        _check_size(path, table, slot)
     if covered != data_size:
         raise FormatError(
             f"{path}: the tensors cover {covered} bytes of a {data_size}-byte data area"
@@ -422,4 +603,29 @@ def _layout(
                 else "; they run past the end of the file"
             )
         )
-    return tuple(tensors)
+
+
+def _check_size(path: str, table: TensorTable, slot: int) -> None:
+    """The tensor at ``slot`` holds exactly the bytes its shape needs."""
+    dtype = table.dtype(slot)
+    count = 1
+    for d in table.shape(slot):  # in order, as safetensors does: no product past 2**64
+        count *= d
+        if count > USIZE_MAX:
+            break
+    bits = count * DTYPES[dtype].bits
+    nbytes = table.ends[slot] - table.begins[slot]
+    if bits <= USIZE_MAX and bits % 8 == 0 and nbytes == bits // 8:
+        return
+    name = _name(table.name(slot))
+    shape = _show(list(itertools.islice(table.shape(slot), 9)))
+    if bits > USIZE_MAX:
+        problem = "overflows 2**64 elements or bits"
+    elif bits % 8:
+        problem = f"is {bits} bits, not a whole number of bytes"
+    else:
+        raise FormatError(
+            f"{path}: tensor {name!r}: holds {nbytes} bytes but shape {shape} of {dtype} "
+            f"needs {bits // 8}"
+        )
+    raise FormatError(f"{path}: tensor {name!r}: shape {shape} of {dtype} {problem}")

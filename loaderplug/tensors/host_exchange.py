@@ -162,7 +162,7 @@ class HostExchange:
             current = is_current_copy(dst, identity)
             landed = None if current else read_landed(dst, identity)
             ranges = landed.ranges if landed is not None else ()
-            digest = str(across_hosts(path)[1])
+            digest = _header_digest(path)
             looked.append(HostFile(identity.size, identity.mtime_ns, current, ranges, digest))
         return looked
 
@@ -181,14 +181,14 @@ class HostExchange:
             )
             return None
         for index, path in enumerate(self.files):
-            seen = {
-                (host[index].size, host[index].mtime_ns, host[index].header_digest[:12])
-                for host in states
-            }
-            if len(seen) > 1:
+            seen = {(host[index].size, host[index].mtime_ns) for host in states}
+            # A header a host could not read (a range of its mount failing, which another
+            # host reads for it) is compared by the others' alone.
+            digests = {host[index].header_digest[:12] for host in states} - {""}
+            if len(seen) > 1 or len(digests) > 1:
                 self.done.not_split = (
-                    f"{path.name} differs between the hosts' mirrors (size, mtime, header "
-                    f"sha256: {sorted(seen)})"
+                    f"{path.name} differs between the hosts' mirrors (size, mtime: "
+                    f"{sorted(seen)}; header sha256: {sorted(digests)})"
                 )
                 return None
         return states
@@ -483,3 +483,12 @@ def _give_up(path: Path, span: Span) -> Callable[[OSError, int | None], Exceptio
         return OSError(exc.errno, f"{where}: {exc.strerror or exc}{tries}")
 
     return give_up
+
+
+def _header_digest(path: Path) -> str:
+    """The SHA-256 of ``path``'s header as this host reads it, or "" where this host
+    cannot read it (the exchange reads such a range from another host)."""
+    try:
+        return str(across_hosts(path)[1])
+    except LoaderplugError:
+        return ""
