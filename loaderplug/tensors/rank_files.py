@@ -41,8 +41,11 @@ def on_this_host(path: Path) -> FileKey:
     """A file as ranks of one host tell it: device, inode, size, mtime and ctime; on a
     FUSE mount, whose inode numbers change as the kernel forgets inodes (see
     :attr:`~loaderplug.types.IOPolicy.stable_inodes`), device, size and mtime."""
-    i = Identity.of(_stat(path))
-    if is_fuse_type(filesystem_type(path)):
+    return _key(Identity.of(_stat(path)), stable_inodes=not is_fuse_type(filesystem_type(path)))
+
+
+def _key(i: Identity, *, stable_inodes: bool) -> FileKey:
+    if not stable_inodes:
         return (i.device, -1, i.size, i.mtime_ns, -1)
     return (i.device, i.inode, i.size, i.mtime_ns, i.ctime_ns)
 
@@ -52,12 +55,8 @@ def held_as_said(path: Path, said: FileKey, who: str) -> HeldFile:
     ``who`` said it is (``said``, its :func:`on_this_host` key): a file replaced under
     its name since fails here, before a byte of it is handed over."""
     held = HeldFile.open(str(path))
-    i = held.identity
-    now: FileKey = (
-        (i.device, -1, i.size, i.mtime_ns, -1)
-        if said[1] == -1
-        else (i.device, i.inode, i.size, i.mtime_ns, i.ctime_ns)
-    )
+    # Told as ``said`` was: without the inode and ctime where the sayer's mount lacks them.
+    now = _key(held.identity, stable_inodes=said[1] != -1)
     if now != said:
         held.close()
         raise LoaderplugError(
