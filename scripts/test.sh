@@ -37,5 +37,5 @@ mypy
 # starting, throttled volumes, timeouts) more than they compute; the tests that start
 # vLLM run one after another within their module (xdist_group). A short base folder:
 # vLLM's sockets live under it, and a socket's path may not exceed 107 bytes.
-LOADERPLUG_TESTS_NEED_EVERY_PACKAGE=1 python -m pytest -q -n 4 --dist loadgroup \
+TESTS_NEED_EVERY_PACKAGE=1 python -m pytest -q -n 4 --dist loadgroup \
   --basetemp="${TMPDIR:-/tmp}/loaderplug-tests" "$@"

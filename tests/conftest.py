@@ -58,7 +58,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 # scripts/test.sh installs every package a test imports, and sets this: there, a test
 # skipped because a package is missing fails the run instead of passing unseen.
-NEED_EVERY_PACKAGE = "LOADERPLUG_TESTS_NEED_EVERY_PACKAGE"
+NEED_EVERY_PACKAGE = "TESTS_NEED_EVERY_PACKAGE"
 _MISSING_PACKAGE = re.compile(r"could not import '[^']+'|No module named '[^']+'")
 _skipped_for_a_package: list[str] = []
 
