@@ -1,6 +1,6 @@
 """The store traffic of the ranks' heartbeats at 8, 64 and 512 simulated ranks.
 
-Every simulated rank is loaderplug's own :class:`~loaderplug.tensors.heartbeats.Heartbeats`
+Every simulated rank is loaderplug's own :class:`~loaderplug.tensors.ranks.heartbeats.Heartbeats`
 on a client connection of its own to one real ``torch.distributed.TCPStore`` (the store
 torchrun serves on rank 0's host), beating every ``BEAT_S`` from a pool of threads, for
 ``--seconds`` per cell. Beside it, the watch as it was before: every rank counting its
@@ -29,7 +29,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import write_results
-from loaderplug.tensors.heartbeats import BEAT_S, SILENT_S, Heartbeats, Peer
+from loaderplug.tensors.ranks.heartbeats import BEAT_S, SILENT_S, Heartbeats, Peer
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SIZES = (8, 64, 512)

@@ -55,17 +55,17 @@ PROFILED_LOADS = 20
 # The steps of a load whose time the overhead table shows (cProfile's cumulative time):
 # (the module's path ends so, the function's name).
 STEPS = {
-    "whole load": ("tensors/load.py", "__next__"),
+    "whole load": ("tensors/delivery/load.py", "__next__"),
     "IO policy decision": ("jobs/runner.py", "_policy"),
     "  filesystem type (mounts)": ("storage/mounts.py", "filesystem_type"),
     "  page-cache residency": ("storage/residency.py", "cached_fraction"),
     "  measured policy": ("storage/io_probe.py", "measured_policy"),
-    "header read and parse": ("tensors/delivery.py", "_read_header"),
-    "  header parse": ("tensors/header.py", "parse_header"),
-    "map or read decision": ("tensors/delivery.py", "_maps"),
-    "tensor sink or mapping made": ("tensors/sinks.py", "__init__"),
+    "header read and parse": ("tensors/delivery/choice.py", "_read_header"),
+    "  header parse": ("tensors/format/header.py", "parse_header"),
+    "map or read decision": ("tensors/delivery/choice.py", "_maps"),
+    "tensor sink or mapping made": ("tensors/delivery/tensor_sinks.py", "__init__"),
     "engine set up": ("jobs/runner.py", "_engine_for"),
-    "tensors from the engine, waits included": ("tensors/delivery.py", "_next_from_engine"),
+    "tensors from the engine, waits included": ("tensors/delivery/choice.py", "_next_from_engine"),
     "thread start": ("threading.py", "start"),
 }
 

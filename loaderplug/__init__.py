@@ -41,7 +41,7 @@ from loaderplug.types import (
 )
 
 if TYPE_CHECKING:  # at run time these come with their first use (they need torch)
-    from loaderplug.tensors.load import Load
+    from loaderplug.tensors.delivery.load import Load
     from loaderplug.tensors.reader import iter_tensors, load_file
 
 __all__ = [
@@ -87,7 +87,8 @@ __all__ = [
 def __getattr__(name: str) -> object:
     # The reader needs torch; import it only when someone asks for it.
     if name in ("iter_tensors", "load_file", "Load"):
-        from loaderplug.tensors import load, reader
+        from loaderplug.tensors import reader
+        from loaderplug.tensors.delivery import load
 
         return getattr(load if name == "Load" else reader, name)
     if name == "HydrateError":  # renamed: errors.py warns

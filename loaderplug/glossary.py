@@ -55,3 +55,11 @@ LAYERS = (
     "testing",
     "cli",
 )
+
+# Inside a layer, its sub-packages in the same way, lowest first: a module of one imports
+# from its own and those before it; the layer's own modules (its entry points) sit on
+# top of them all.
+SUBLAYERS: dict[str, tuple[str, ...]] = {
+    "tensors": ("format", "memory", "device", "delivery", "ranks", "hosts"),
+    "integrations": ("upstream", "hub"),
+}

@@ -12,7 +12,7 @@ import importlib
 import re
 from pathlib import Path
 
-from loaderplug.glossary import LAYERS, TERMS
+from loaderplug.glossary import LAYERS, SUBLAYERS, TERMS
 from loaderplug.settings import settings_table
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -42,6 +42,17 @@ def glossary_table() -> str:
     return "\n".join(rows + [f"| {word} | {meaning} |" for word, meaning in TERMS.items()])
 
 
+def _package_row(package: str) -> str:
+    """A package's row: its folder, the first paragraph of its docstring, its modules."""
+    doc = importlib.import_module("loaderplug." + package.replace("/", ".")).__doc__ or ""
+    first = " ".join(doc.split("\n\n")[0].split()).split(": ")[-1]
+    summary = re.sub(r":\w+:`\.?([^`]+)`|``([^`]+)``", r"`\1\2`", first)
+    folder = ROOT / "loaderplug" / package
+    modules = sorted(p.stem for p in folder.glob("*.py") if p.stem != "__init__")
+    names = ", ".join(f"`{m}`" for m in modules)
+    return f"| `loaderplug/{package}/` | {summary[0].upper()}{summary[1:]} | {names} |"
+
+
 def layers_table() -> str:
     rows = [
         "| layer | what it is | modules |",
@@ -50,13 +61,8 @@ def layers_table() -> str:
         "`types`, `units`, `settings`, `errors`, `report`, `glossary` |",
     ]
     for layer in LAYERS[1:]:  # the vocabulary is the root's row
-        doc = importlib.import_module(f"loaderplug.{layer}").__doc__ or ""
-        first = " ".join(doc.split("\n\n")[0].split()).split(": ")[-1]
-        summary = re.sub(r":\w+:`\.?([^`]+)`|``([^`]+)``", r"`\1\2`", first)
-        folder = ROOT / "loaderplug" / layer
-        modules = sorted(p.stem for p in folder.glob("*.py") if p.stem != "__init__")
-        names = ", ".join(f"`{m}`" for m in modules)
-        rows.append(f"| `loaderplug/{layer}/` | {summary[0].upper()}{summary[1:]} | {names} |")
+        rows.append(_package_row(layer))
+        rows += [_package_row(f"{layer}/{sub}") for sub in SUBLAYERS.get(layer, ())]
     return "\n".join(rows)
 
 

@@ -14,7 +14,7 @@ import pytest
 
 from loaderplug.engine.retry import Cancelled
 from loaderplug.storage.mounts import MEMORY_TYPES, filesystem_type
-from loaderplug.tensors.budget import MemoryBudget
+from loaderplug.tensors.memory.budget import MemoryBudget
 from loaderplug.testing.model import write_model, write_shard
 from loaderplug.units import MiB
 from tests.conftest import drop_from_page_cache
@@ -93,8 +93,8 @@ class _Recording(MemoryBudget):
 
 def test_a_span_holds_the_tensors_it_begins_whole(tmp_path: Path) -> None:
     pytest.importorskip("torch")
-    from loaderplug.tensors.header_reads import read_header_of
-    from loaderplug.tensors.sinks import TensorSink
+    from loaderplug.tensors.delivery.tensor_sinks import TensorSink
+    from loaderplug.tensors.format.read import read_header_of
 
     path = tmp_path / "model.safetensors"
     write_shard(path, [4 * MiB, MiB, 0, MiB, 6 * MiB], first_tensor=0, seed=0)
@@ -129,9 +129,9 @@ def _load_slowly(paths: list[Path], budget: str) -> tuple[int, int]:
     slower than the reads: the tensors it got and the most the budget held."""
     from loaderplug.jobs.runner import Runner
     from loaderplug.settings import from_env
-    from loaderplug.tensors.delivery import TensorDelivery, TensorsOf
-    from loaderplug.tensors.device_path import DevicePath
-    from loaderplug.tensors.load_plan import load_plan
+    from loaderplug.tensors.delivery.choice import TensorDelivery, TensorsOf
+    from loaderplug.tensors.delivery.plan import load_plan
+    from loaderplug.tensors.device.path import DevicePath
 
     if filesystem_type(paths[0].parent) in MEMORY_TYPES:
         pytest.skip("files in memory are mapped, not read: no budget to measure")

@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 
 from loaderplug.jobs.partial import partial_for
-from loaderplug.tensors.copy_pages import ConsumedPages
-from loaderplug.tensors.header import Header, TensorInfo
+from loaderplug.tensors.format.header import Header, TensorInfo
+from loaderplug.tensors.memory.copy_pages import ConsumedPages
 
 
 def _header(path: Path, sizes: list[int]) -> Header:

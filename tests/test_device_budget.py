@@ -23,7 +23,7 @@ from loaderplug.units import MiB
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("safetensors")
-from loaderplug.tensors.header_reads import read_header_of  # noqa: E402
+from loaderplug.tensors.format.read import read_header_of  # noqa: E402
 from loaderplug.tensors.reader import iter_tensors  # noqa: E402
 from tests.helpers.tensors import reference, same  # noqa: E402
 

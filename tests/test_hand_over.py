@@ -107,9 +107,9 @@ def test_through_the_page_cache_each_tensor_is_a_mapping_of_the_file(
     waits for it."""
     from loaderplug.jobs.runner import Runner
     from loaderplug.settings import from_env
-    from loaderplug.tensors.delivery import TensorsOf
-    from loaderplug.tensors.device_path import DevicePath
-    from loaderplug.tensors.load_plan import load_plan
+    from loaderplug.tensors.delivery.choice import TensorsOf
+    from loaderplug.tensors.delivery.plan import load_plan
+    from loaderplug.tensors.device.path import DevicePath
 
     for path in model:  # cold, so the bytes come through the engine's reads
         fd = os.open(path, os.O_RDONLY)

@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 
 from loaderplug.errors import FormatError
-from loaderplug.tensors.dtypes import DTYPES
-from loaderplug.tensors.header import (
+from loaderplug.tensors.format.dtypes import DTYPES
+from loaderplug.tensors.format.header import (
     MAX_DEPTH,
     MAX_HEADER_BYTES,
     Header,
@@ -334,7 +334,7 @@ def test_a_header_at_the_length_limit_is_read() -> None:
 )
 def test_what_crashed_the_reader_is_a_format_error(blob: bytes) -> None:
     pytest.importorskip("torch")
-    from loaderplug.tensors.sinks import torch_dtypes
+    from loaderplug.tensors.format.torch_dtypes import torch_dtypes
 
     with pytest.raises(FormatError):
         torch_dtypes(parse(blob))
@@ -392,7 +392,7 @@ def test_what_torch_cannot_hold_is_a_format_error_before_any_read(
     case: str, blob: bytes, message: str, tmp_path: Path
 ) -> None:
     pytest.importorskip("torch")
-    from loaderplug.tensors.sinks import torch_dtypes
+    from loaderplug.tensors.format.torch_dtypes import torch_dtypes
 
     with pytest.raises(FormatError, match=re.escape(message)):
         torch_dtypes(parse(blob))
@@ -403,15 +403,15 @@ def test_a_dtype_this_torch_lacks_is_a_format_error_naming_it(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     torch = pytest.importorskip("torch")
-    from loaderplug.tensors import sinks as tensor_sinks
+    from loaderplug.tensors.format import torch_dtypes
 
     old = types.SimpleNamespace(__version__="2.0.0", float32=torch.float32)
-    monkeypatch.setattr(tensor_sinks, "torch_module", lambda: old)
+    monkeypatch.setattr(torch_dtypes, "torch_module", lambda: old)
     header = parse(encode({"w": t(dtype="F4", shape=[2], offsets=[0, 1])}, bytes(1)))
     with pytest.raises(
         FormatError, match=r"needs torch.float4_e2m1fn_x2, which this torch \(2.0.0\) lacks"
     ):
-        tensor_sinks.torch_dtypes(header)
+        torch_dtypes.torch_dtypes(header)
 
 
 def as_bytes(tensor: Any) -> bytes:

@@ -34,8 +34,8 @@ from hypothesis import event, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from loaderplug.errors import FormatError  # noqa: E402
-from loaderplug.tensors.dtypes import DTYPES  # noqa: E402
-from loaderplug.tensors.header import LENGTH_BYTES, header_length, parse_header  # noqa: E402
+from loaderplug.tensors.format.dtypes import DTYPES  # noqa: E402
+from loaderplug.tensors.format.header import LENGTH_BYTES, header_length, parse_header  # noqa: E402
 from loaderplug.tensors.reader import iter_tensors, load_file  # noqa: E402
 from tests.helpers.tensors import STREAMED  # noqa: E402
 

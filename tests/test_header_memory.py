@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 import pytest
 
-from loaderplug.tensors.header import (
+from loaderplug.tensors.format.header import (
     LENGTH_BYTES,
     MEMORY_FACTOR,
     MOST_MEMORY_FACTOR,

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from loaderplug.tensors.heartbeats import (
+from loaderplug.tensors.ranks.heartbeats import (
     ANSWERS_FOR_SILENCE,
     BEAT_S,
     SILENT_S,
@@ -21,7 +21,7 @@ from loaderplug.tensors.heartbeats import (
     Heartbeats,
     Peer,
 )
-from loaderplug.tensors.peers import PeerWatch
+from loaderplug.tensors.ranks.peers import PeerWatch
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("torch.distributed")

@@ -456,7 +456,7 @@ def test_a_listing_the_mirror_cannot_keep_goes_to_the_local_cache(
     monkeypatch: pytest.MonkeyPatch,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    from loaderplug.integrations import hub_mirror
+    from loaderplug.integrations.hub import mirror as hub_mirror
 
     sha = hub.add_repo(REPO, FILES)
     worker_one(hub, tmp_path)

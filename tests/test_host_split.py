@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from loaderplug.settings import from_env
-from loaderplug.tensors.host_exchange import Exchanged
-from loaderplug.tensors.host_split import _keep_going, hosts_said
-from loaderplug.tensors.rank_share import RankProcess, World, torchrun_host
+from loaderplug.tensors.hosts.exchange import Exchanged
+from loaderplug.tensors.hosts.split import _keep_going, hosts_said
+from loaderplug.tensors.ranks.world import RankProcess, World, torchrun_host
 from loaderplug.units import MiB
 from tests.helpers.ranks import expected, run_ranks
 

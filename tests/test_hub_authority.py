@@ -20,8 +20,9 @@ from huggingface_hub import constants
 from huggingface_hub.errors import EntryNotFoundError
 from huggingface_hub.utils import http_backoff
 
-from loaderplug.integrations import hub_commits, hub_fill
 from loaderplug.integrations import huggingface_hub as lp_hub
+from loaderplug.integrations.hub import commits as hub_commits
+from loaderplug.integrations.hub import fill as hub_fill
 from loaderplug.testing.hub import HubServer, git_blob_sha1
 
 REPO = "acme/authority"

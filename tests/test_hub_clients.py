@@ -25,8 +25,8 @@ import torch
 import transformers
 from huggingface_hub import constants
 
-from loaderplug.integrations import hub_commits
 from loaderplug.integrations import huggingface_hub as lp_hub
+from loaderplug.integrations.hub import commits as hub_commits
 from loaderplug.testing.hub import HubServer, share_blobs
 from loaderplug.testing.tiny_llama import write_tiny_llama
 

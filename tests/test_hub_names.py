@@ -19,9 +19,11 @@ from huggingface_hub import constants
 from huggingface_hub._local_folder import _validate_relative_filename
 from huggingface_hub.utils import http_backoff
 
-from loaderplug.integrations import hub_commits, hub_fill, hub_mirror
 from loaderplug.integrations import huggingface_hub as lp_hub
-from loaderplug.integrations.hub_names import filename_problem, ref_problem
+from loaderplug.integrations.hub import commits as hub_commits
+from loaderplug.integrations.hub import fill as hub_fill
+from loaderplug.integrations.hub import mirror as hub_mirror
+from loaderplug.integrations.hub.names import filename_problem, ref_problem
 from loaderplug.testing.hub import HubServer
 
 REPO = "acme/names"

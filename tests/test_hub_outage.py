@@ -16,8 +16,9 @@ from typing import Any
 
 import pytest
 
-from loaderplug.integrations import hub_commits, hub_fill
-from loaderplug.integrations.hub_outage import asks_about, repo_of
+from loaderplug.integrations.hub import commits as hub_commits
+from loaderplug.integrations.hub import fill as hub_fill
+from loaderplug.integrations.hub.outage import asks_about, repo_of
 from loaderplug.testing.hub import HubServer, client_env
 from tests.hubserver import hub as hub
 

@@ -18,8 +18,10 @@ import pytest
 pytest.importorskip("huggingface_hub")
 import huggingface_hub
 
-from loaderplug.integrations import hub_commits, hub_fill, hub_mirror
 from loaderplug.integrations import huggingface_hub as lp_hub
+from loaderplug.integrations.hub import commits as hub_commits
+from loaderplug.integrations.hub import fill as hub_fill
+from loaderplug.integrations.hub import mirror as hub_mirror
 from loaderplug.testing.hub import HubServer
 
 REPO = "acme/lookup"

@@ -10,7 +10,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-from loaderplug.glossary import LAYERS
+from loaderplug.glossary import LAYERS, SUBLAYERS
 
 REPO = Path(__file__).resolve().parent.parent
 # Where the package lives.
@@ -195,3 +195,44 @@ def test_the_layer_check_sees_an_upward_import(tmp_path: Path) -> None:
     (imported,) = imports_of("loaderplug.engine.spans", module, modules)
     own, theirs = layer_of("loaderplug.engine.spans"), layer_of(imported)
     assert own is not None and theirs is not None and theirs > own
+
+
+def sublayer_of(module: str) -> tuple[str, int] | None:
+    """A module's layer and its rank among the layer's sub-packages (the layer's own
+    modules, and sub-packages not listed, rank above them all); None outside a layer
+    with sub-packages."""
+    parts = module.split(".")
+    if len(parts) < 3 or parts[1] not in SUBLAYERS:
+        return None
+    order = SUBLAYERS[parts[1]]
+    return parts[1], order.index(parts[2]) if parts[2] in order else len(order)
+
+
+def test_no_sub_package_imports_a_higher_one() -> None:
+    modules = package_modules()
+    wrong = []
+    for name, path in sorted(modules.items()):
+        own = sublayer_of(name)
+        if own is None:
+            continue
+        for imported in sorted(imports_of(name, path, modules)):
+            theirs = sublayer_of(imported)
+            if theirs is not None and theirs[0] == own[0] and theirs[1] > own[1]:
+                wrong.append(f"{name} imports {imported}")
+    assert not wrong, "imports against the sub-packages' order:\n" + "\n".join(wrong)
+
+
+def test_every_listed_sub_package_exists_and_says_what_it_is() -> None:
+    for layer, subs in SUBLAYERS.items():
+        for sub in subs:
+            init = REPO / "loaderplug" / layer / sub / "__init__.py"
+            assert init.is_file(), f"{layer}/{sub} is listed but is not a package"
+            assert ast.get_docstring(ast.parse(init.read_text())), f"{init} has no purpose"
+
+
+def test_the_sub_package_check_sees_an_upward_import() -> None:
+    low = sublayer_of("loaderplug.tensors.format.header")
+    high = sublayer_of("loaderplug.tensors.delivery.tensor_sinks")
+    top = sublayer_of("loaderplug.tensors.reader")
+    assert low is not None and high is not None and top is not None
+    assert low[1] < high[1] < top[1]

@@ -184,8 +184,8 @@ def hub_download_from_the_mirror(
 ) -> None:
     import huggingface_hub
 
-    from loaderplug.integrations import hub_commits
     from loaderplug.integrations import huggingface_hub as lp_hub
+    from loaderplug.integrations.hub import commits as hub_commits
 
     monkeypatch.setenv("LOADERPLUG_MIRROR", str(mirror))
     monkeypatch.setenv("LOADERPLUG_FSYNC", "0")

@@ -8,8 +8,8 @@ import mmap
 
 import pytest
 
-from loaderplug.tensors.header import Header, TensorInfo
-from loaderplug.tensors.page_release import PAGE, PageReleaser
+from loaderplug.tensors.format.header import Header, TensorInfo
+from loaderplug.tensors.memory.page_release import PAGE, PageReleaser
 
 torch = pytest.importorskip("torch")
 

@@ -17,9 +17,9 @@ from loaderplug.testing.fake_device import FakeDevice, FakeDevicePlugin
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("safetensors.torch")
-from loaderplug.tensors.device_path import DevicePath  # noqa: E402
-from loaderplug.tensors.device_sink import DeviceTensorSink  # noqa: E402
-from loaderplug.tensors.header_reads import read_header_of  # noqa: E402
+from loaderplug.tensors.device.path import DevicePath  # noqa: E402
+from loaderplug.tensors.device.sink import DeviceTensorSink  # noqa: E402
+from loaderplug.tensors.format.read import read_header_of  # noqa: E402
 from loaderplug.tensors.reader import iter_tensors  # noqa: E402
 from tests.helpers.tensors import STREAMED, reference, same  # noqa: E402
 

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from loaderplug import hydrate
-from loaderplug.tensors.header_reads import read_header_of
-from loaderplug.tensors.ranks import owners, sharing_mode
+from loaderplug.tensors.format.read import read_header_of
+from loaderplug.tensors.ranks.mode import owners, sharing_mode
 from loaderplug.testing.model import write_model
 from loaderplug.testing.volume import VolumeProfile, mounted
 from loaderplug.units import MiB
@@ -404,9 +404,9 @@ def test_a_collective_that_completes_as_its_wait_runs_out_is_done_not_failed(
     it is then done if it went well (a rank once failed a sound load so), and an error
     only if waiting for it again raises."""
     from loaderplug.errors import DistributedError
-    from loaderplug.tensors.peers import PeerWatch
-    from loaderplug.tensors.rank_share import Share
-    from loaderplug.tensors.rank_steps import Steps
+    from loaderplug.tensors.ranks.peers import PeerWatch
+    from loaderplug.tensors.ranks.steps import Steps
+    from loaderplug.tensors.ranks.world import Share
 
     steps = Steps(
         Share(group=None, rank=0, size=2, global_ranks=(0, 1), timeout_s=60), PeerWatch(())

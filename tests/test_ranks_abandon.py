@@ -33,9 +33,9 @@ RANK = textwrap.dedent(
     import torch.distributed as dist
     from loaderplug.errors import DistributedError
     from loaderplug.settings import from_env
-    from loaderplug.tensors.peers import PeerWatch
-    from loaderplug.tensors.rank_share import share_for, world_of
-    from loaderplug.tensors.rank_steps import Steps, tear_down
+    from loaderplug.tensors.ranks.peers import PeerWatch
+    from loaderplug.tensors.ranks.world import share_for, world_of
+    from loaderplug.tensors.ranks.steps import Steps, tear_down
 
     init, rank = sys.argv[1], int(sys.argv[2])
     timeout = datetime.timedelta(seconds=int(os.environ["TIMEOUT_S"]))

@@ -16,9 +16,9 @@ import pytest
 
 from loaderplug.errors import DistributedError, FileError
 from loaderplug.settings import from_env
-from loaderplug.tensors.peers import PeerWatch
-from loaderplug.tensors.rank_share import Share, host_id
-from loaderplug.tensors.rank_steps import Steps, tear_down
+from loaderplug.tensors.ranks.peers import PeerWatch
+from loaderplug.tensors.ranks.steps import Steps, tear_down
+from loaderplug.tensors.ranks.world import Share, host_id
 from loaderplug.testing.model import write_model
 from loaderplug.testing.volume import VolumeProfile, mounted
 from loaderplug.units import MiB
@@ -102,10 +102,10 @@ NEVER_STARTED = textwrap.dedent(
     import datetime, gc, json, sys
     import torch.distributed as dist
     from loaderplug.settings import from_env
-    from loaderplug.tensors.device_path import device_path_for
-    from loaderplug.tensors.load import Load
-    from loaderplug.tensors.rank_share import Share
-    from loaderplug.tensors.ranks import shared_tensors
+    from loaderplug.tensors.device.path import device_path_for
+    from loaderplug.tensors.delivery.load import Load
+    from loaderplug.tensors.ranks.world import Share
+    from loaderplug.tensors.ranks.shared import shared_tensors
 
     dist.init_process_group(
         "gloo", init_method=f"file://{sys.argv[1]}", rank=0, world_size=1,
@@ -154,7 +154,7 @@ def test_ranks_that_do_not_share_filesystems_are_not_one_host(tmp_path: Path) ->
     assert host_id(a) != host_id(b)
     if shutil.which("unshare") is None:
         pytest.skip("no unshare to make a mount namespace")
-    code = f"from loaderplug.tensors.rank_share import host_id; print(host_id({str(a)!r}))"
+    code = f"from loaderplug.tensors.ranks.world import host_id; print(host_id({str(a)!r}))"
     elsewhere = subprocess.run(
         ["unshare", "--mount", sys.executable, "-c", code],
         cwd=REPO,
@@ -168,7 +168,7 @@ def test_ranks_that_do_not_share_filesystems_are_not_one_host(tmp_path: Path) ->
 
 
 def test_the_host_id_setting_still_decides() -> None:
-    from loaderplug.tensors.rank_share import RankProcess
+    from loaderplug.tensors.ranks.world import RankProcess
 
     settings = from_env(host_id="rack-4/gpu-2", progress=False)
     assert RankProcess.here(settings, "/one").host == RankProcess.here(settings, "/two").host

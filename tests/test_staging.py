@@ -24,7 +24,7 @@ from loaderplug.testing.fake_device import FakeDevice, FakeDevicePlugin, FakeEve
 
 torch = pytest.importorskip("torch")
 safetensors_torch = pytest.importorskip("safetensors.torch")
-from loaderplug.tensors.header_reads import read_header_of  # noqa: E402
+from loaderplug.tensors.format.read import read_header_of  # noqa: E402
 from loaderplug.tensors.reader import iter_tensors  # noqa: E402
 from tests.helpers.tensors import STREAMED, reference, same  # noqa: E402
 
@@ -213,8 +213,8 @@ def test_a_buffer_of_a_failed_file_is_lent_again_only_after_the_copies_from_it_r
     the next read waits for the copy before it lands there."""
     from safetensors.torch import save_file
 
-    from loaderplug.tensors.device_path import DevicePath
-    from loaderplug.tensors.device_sink import DeviceTensorSink
+    from loaderplug.tensors.device.path import DevicePath
+    from loaderplug.tensors.device.sink import DeviceTensorSink
 
     path = tmp_path / "a.safetensors"
     save_file({"w": torch.arange(8192, dtype=torch.float32)}, str(path))

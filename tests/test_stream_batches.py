@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 
 from loaderplug.errors import LoaderplugError
-from loaderplug.tensors.delivery import FileFinished, Idle, TensorReady
-from loaderplug.tensors.ranks import STREAM_BATCH, LandedBatches
+from loaderplug.tensors.delivery.choice import FileFinished, Idle, TensorReady
+from loaderplug.tensors.ranks.batches import STREAM_BATCH, LandedBatches
 from loaderplug.types import FileResult
 
 

@@ -328,7 +328,7 @@ for name in ("torch", "huggingface_hub", "vllm", "fastsafetensors"):
 import loaderplug.integrations.upstream.huggingface_hub
 import loaderplug.integrations.upstream.fastsafetensors
 import loaderplug.integrations.upstream.vllm
-import loaderplug.integrations.hub_mirror
+import loaderplug.integrations.hub.mirror
 import loaderplug.integrations.volcache
 import loaderplug.integrations.vllm
 print("ok")

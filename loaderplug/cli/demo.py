@@ -58,8 +58,8 @@ def _one_pass(mirror: Path, backing: Path, local: Path) -> bool:
     """Load the model's tensors from the mirror while hydrating ``local`` in the same
     reads; False if the copy or a tensor came out wrong."""
     try:
+        from loaderplug.tensors.format.torch_dtypes import torch_module
         from loaderplug.tensors.reader import iter_tensors
-        from loaderplug.tensors.sinks import torch_module
 
         torch_module()
     except Exception:

@@ -10,7 +10,7 @@ from loaderplug.plugins.manager import Plugins
 from loaderplug.report import printable
 from loaderplug.settings import REGISTRY, from_env
 from loaderplug.storage.mounts import find_mount
-from loaderplug.tensors.host_split import hosts_said
+from loaderplug.tensors.hosts.split import hosts_said
 
 
 def doctor(paths: Sequence[str], environ: dict[str, str] | None = None) -> str:

@@ -51,7 +51,7 @@ class PlacingSink(Sink, Protocol):
 @runtime_checkable
 class BudgetedSink(Sink, Protocol):
     """A sink that holds what it receives in a memory budget: a span is admitted to it
-    before it is read, and may wait there (see :mod:`loaderplug.tensors.budget`)."""
+    before it is read, and may wait there (see :mod:`loaderplug.tensors.memory.budget`)."""
 
     def admit(self, offset: int, length: int, cancel: threading.Event) -> None: ...
 

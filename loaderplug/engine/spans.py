@@ -5,7 +5,7 @@ readers spread across files, so per-stream bandwidth caps on a network volume ad
 instead of queueing behind one file. A load reads file-major (every range of file 0,
 then of file 1, ...): the readers still read side by side, each through a descriptor of
 its own, so the caps add up just as well, and what is in flight is one window of the
-model, which its memory budget bounds (:mod:`loaderplug.tensors.budget`). Orders are
+model, which its memory budget bounds (:mod:`loaderplug.tensors.memory.budget`). Orders are
 generators: memory stays O(files), never one object per range.
 """
 

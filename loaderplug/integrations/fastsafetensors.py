@@ -42,12 +42,11 @@ from pathlib import Path
 from typing import Any
 
 from loaderplug.errors import LoaderplugError
+from loaderplug.integrations.upstream import fastsafetensors as seam
 from loaderplug.jobs.local_copies import hydrate_copy, is_mirror, local_copy
 from loaderplug.plugins.manager import Plugins
 from loaderplug.settings import Settings, from_env
 from loaderplug.types import IOPolicy
-
-from .upstream import fastsafetensors as seam
 
 try:
     # Public API; the private names (the copier registry, a copier's descriptor) are
@@ -218,7 +217,7 @@ def _open(path: str, direct: bool) -> int:
 
 def hydrate_before_vllm_load() -> None:
     """Rebind vLLM's ``fastsafetensors_weights_iterator`` to hydrate its files first."""
-    from .upstream import vllm as vllm_seam
+    from loaderplug.integrations.upstream import vllm as vllm_seam
 
     current = vllm_seam.fastsafetensors_weights_iterator()
     if current is None:

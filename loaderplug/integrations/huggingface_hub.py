@@ -69,9 +69,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from loaderplug.integrations.upstream import huggingface_hub as seam
 from loaderplug.settings import Settings, from_env
-
-from .upstream import huggingface_hub as seam
 
 try:
     from huggingface_hub import constants
@@ -86,10 +85,21 @@ except ImportError as exc:  # pragma: no cover - the message is the point
         "pip install 'loaderplug[hf]'"
     ) from exc
 
-from . import hub_commits, hub_fill, hub_install, hub_serve, hub_sync
-from .hub_calls import WEIGHT_PATTERNS, Call, cache_folder, mirror_for, repo_path, unusable
-from .hub_commits import offline as _offline
-from .hub_warnings import cause, failed
+from loaderplug.integrations.hub import commits as hub_commits
+from loaderplug.integrations.hub import fill as hub_fill
+from loaderplug.integrations.hub import install as hub_install
+from loaderplug.integrations.hub import serve as hub_serve
+from loaderplug.integrations.hub import sync as hub_sync
+from loaderplug.integrations.hub.calls import (
+    WEIGHT_PATTERNS,
+    Call,
+    cache_folder,
+    mirror_for,
+    repo_path,
+    unusable,
+)
+from loaderplug.integrations.hub.commits import offline as _offline
+from loaderplug.integrations.hub.notices import cause, failed
 
 __all__ = [
     "WEIGHT_PATTERNS",

@@ -21,10 +21,9 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from loaderplug.integrations.upstream import sglang as seam
 from loaderplug.jobs.local_copies import is_mirror, local_copy
 from loaderplug.settings import from_env
-
-from .upstream import sglang as seam
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +34,7 @@ def register() -> None:
         seam.register_around()(target, weights_through_loaderplug)
     try:
         if from_env().mirror:
-            from . import huggingface_hub as lp_hub
+            from loaderplug.integrations import huggingface_hub as lp_hub
 
             lp_hub.install()
     except Exception as exc:  # SGLang still loads: its own downloads, unchanged
@@ -54,7 +53,7 @@ def weights_through_loaderplug(
     files = [Path(f) for f in hf_weights_files]
     if not settings.mirror or not files or any(f.suffix != ".safetensors" for f in files):
         return original(hf_weights_files, *args, **kwargs)
-    from . import volcache
+    from loaderplug.integrations import volcache
 
     folder = files[0].parent
     on_mirror = len({f.parent for f in files}) == 1 and is_mirror(folder, settings)

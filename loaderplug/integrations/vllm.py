@@ -26,10 +26,10 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from loaderplug.errors import SettingsError
-from loaderplug.settings import Settings, from_env
 
 # Which vLLM versions, and which of its names: loaderplug.integrations.upstream.vllm.
-from .upstream import vllm as seam
+from loaderplug.integrations.upstream import vllm as seam
+from loaderplug.settings import Settings, from_env
 
 LOAD_FORMAT = "volcache"
 # --model-loader-extra-config key -> loaderplug setting.
@@ -104,7 +104,7 @@ def _current_key(key: str) -> str:
 
 def _loader_class() -> type:
     """The loader, defined on first use: its base class lives in vLLM."""
-    from . import volcache
+    from loaderplug.integrations import volcache
 
     if TYPE_CHECKING:  # for the annotations below only
         from torch import nn
@@ -220,13 +220,13 @@ def _install_mirror_hooks() -> None:
 
 
 def _hub_hook() -> None:
-    from . import huggingface_hub
+    from loaderplug.integrations import huggingface_hub
 
     huggingface_hub.install()
 
 
 def _fst_hook() -> None:
-    from . import fastsafetensors
+    from loaderplug.integrations import fastsafetensors
 
     fastsafetensors.install()
     fastsafetensors.hydrate_before_vllm_load()

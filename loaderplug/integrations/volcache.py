@@ -9,7 +9,7 @@ A model is named as a serving framework names it: a folder, or a Hub repo id.
   once. A later start on the same host finds the copy current and reads it instead.
 * A folder on local disk is read where it is.
 * A repo id is pinned to one commit (the one vLLM read its config of: see
-  :mod:`loaderplug.integrations.hub_commits`), then looked up at that commit in the
+  :mod:`loaderplug.integrations.hub.commits`), then looked up at that commit in the
   local Hugging Face cache, then on the mirror (its Hub layout ``<volume>/hub``, then
   ``<volume>/models/<repo id>``), and failing both downloaded from the Hub as vLLM's
   own loader would, which fills the mirror for the next worker.
@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from loaderplug.errors import WeightsError
+from loaderplug.integrations.upstream import UpstreamChanged
 from loaderplug.jobs.local_copies import hydrate_copy, is_mirror, local_copy
 from loaderplug.plugins.manager import Plugins
 from loaderplug.settings import Settings
@@ -43,12 +44,10 @@ from loaderplug.tensors.reader import iter_tensors
 from loaderplug.types import MirrorRequest
 from loaderplug.units import MiB
 
-from .upstream import UpstreamChanged
-
 if TYPE_CHECKING:
     import torch
 
-    from loaderplug.tensors.load import Load
+    from loaderplug.tensors.delivery.load import Load
 
 INDEX_NAME = "model.safetensors.index.json"
 # What a download of the weights fetches, as vLLM's default loader fetches safetensors.
@@ -145,7 +144,7 @@ def stream(
     """Yield every weight as ``(name, tensor)``, whole, on ``device``: read in place, or
     in one pass that hydrates the local copy (current files there are read locally).
     The ranks of a process ``group`` split the reading (see
-    :mod:`loaderplug.tensors.ranks`)."""
+    :mod:`loaderplug.tensors.ranks.shared`)."""
     if settings.weights_reader == "fastsafetensors":
         for name, tensor in _through_fastsafetensors(weights, settings):
             yield name, tensor if device == "cpu" else tensor.to(device)
@@ -186,7 +185,7 @@ def _through_fastsafetensors(
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Hydrate first (two passes: fastsafetensors reads whole local files), then read
     with fastsafetensors, for hosts where its GPUDirect Storage path pays off."""
-    from . import fastsafetensors
+    from loaderplug.integrations import fastsafetensors
 
     files = weights.files
     if weights.local_copy is not None:
@@ -215,7 +214,7 @@ def _hub_integration() -> Any:
     """loaderplug's Hub integration, or None where huggingface_hub is not installed (or
     moved a name it uses: said once)."""
     try:
-        from . import huggingface_hub
+        from loaderplug.integrations import huggingface_hub
     except ImportError:
         return None
     except UpstreamChanged as exc:  # the installed huggingface_hub moved a name we use
@@ -244,7 +243,7 @@ def _on_mirror(repo_id: str, revision: str | None, settings: Settings) -> Path |
     """The repo's snapshot on the mirror's Hub layout, else its ``models/`` folder; the
     mirror is found by ``loaderplug_find_mirror`` with the loader's settings (its own
     mirror option included)."""
-    from . import hub_mirror
+    from loaderplug.integrations.hub import mirror as hub_mirror
 
     plugins = Plugins(settings)
     hub_root = plugins.find_mirror(MirrorRequest("hub", repo_id, revision))

@@ -15,7 +15,7 @@ It alone owns what every job shares:
    for a copy, a :class:`~loaderplug.jobs.digest.DigestSink` where the plan expects a
    hash, the delivery's sink for a file whose contents go to a consumer);
 7. the engine's run, with a progress bar; a plan with a delivery lets it run the engine
-   and hand over what lands (:mod:`loaderplug.tensors.delivery` for a load);
+   and hand over what lands (:mod:`loaderplug.tensors.delivery.choice` for a load);
 8. symlinks, refusals, the plan's ``finish`` step, every observer call, and the report.
 
 A delivering job's lock is let go as soon as nothing is left to publish, so ranks that

@@ -1,11 +1,12 @@
 """Streaming safetensors reader: tensors are yielded as soon as their last byte lands.
 
-Files are read by the range engine (range-parallel, under the IO policy of each file);
-a tensor sink per file (:mod:`loaderplug.tensors.sinks`) scatters every landed range into
-the tensors it covers and hands over each tensor the moment it is complete, while other
-ranges are still in flight. A yielded tensor is never a view into a reused buffer: it
-has memory of its own, or is a view of a mapping of a file that stays put, as
-safetensors' are (``LOADERPLUG_OWNED`` and :mod:`loaderplug.tensors.map_rule` say which).
+Files are read by the range engine (range-parallel, under the IO policy of each file); a
+tensor sink per file (:mod:`loaderplug.tensors.delivery.tensor_sinks`) scatters every
+landed range into the tensors it covers and hands over each tensor the moment it is
+complete, while other ranges are still in flight. A yielded tensor is never a view into
+a reused buffer: it has memory of its own, or is a view of a mapping of a file that
+stays put, as safetensors' are (``LOADERPLUG_OWNED`` and
+:mod:`loaderplug.tensors.delivery.map_rule` say which).
 
 With ``local_dir`` the same pass also hydrates: each range read from the mirror is
 written to a local temp file and fed to the tensor sink, so every byte is read from the
@@ -23,12 +24,12 @@ from typing import TYPE_CHECKING, Any
 
 from loaderplug.jobs.runner import Runner
 from loaderplug.settings import Settings, from_env
-from loaderplug.tensors.device_path import device_path_for, within_device_budget
-from loaderplug.tensors.host_split import split_across_hosts
-from loaderplug.tensors.load import Load, Pairs, RunnerPairs
-from loaderplug.tensors.load_plan import load_plan
-from loaderplug.tensors.rank_steps import free_groups
-from loaderplug.tensors.ranks import share_for, shared_tensors, world_of
+from loaderplug.tensors.delivery.load import Load, Pairs, RunnerPairs
+from loaderplug.tensors.delivery.plan import load_plan
+from loaderplug.tensors.device.path import device_path_for, within_device_budget
+from loaderplug.tensors.hosts.split import split_across_hosts
+from loaderplug.tensors.ranks.shared import share_for, shared_tensors, world_of
+from loaderplug.tensors.ranks.steps import free_groups
 
 if TYPE_CHECKING:
     import torch
@@ -51,10 +52,10 @@ def iter_tensors(
     more than one rank on this host (or without one, the initialised default group;
     ``LOADERPLUG_DISTRIBUTED=off`` reads alone), the ranks split the files, each byte
     read once per host, and every rank yields every tensor (see
-    :mod:`loaderplug.tensors.ranks`). Nothing is read until the first tensor is asked
+    :mod:`loaderplug.tensors.ranks.shared`). Nothing is read until the first tensor is asked
     for. To a CUDA ``device`` each range is read into pinned memory and copied to the
-    device from there as it lands (:mod:`loaderplug.tensors.device_sink`). The
-    returned :class:`~loaderplug.tensors.load.Load` carries the job's report, the time
+    device from there as it lands (:mod:`loaderplug.tensors.device.sink`). The
+    returned :class:`~loaderplug.tensors.delivery.load.Load` carries the job's report, the time
     to the first tensor and how each file was read once it is exhausted
     (``stats``, a dict it fills, is the deprecated way to get them).
     """

@@ -27,8 +27,10 @@ from typing import Any
 import torch.distributed as dist
 
 from loaderplug.errors import LoaderplugError
-from loaderplug.tensors import heartbeats, rank_share, ranks
-from loaderplug.tensors.heartbeats import Heartbeats, Peer
+from loaderplug.tensors.ranks import heartbeats
+from loaderplug.tensors.ranks import shared as ranks
+from loaderplug.tensors.ranks import world as rank_share
+from loaderplug.tensors.ranks.heartbeats import Heartbeats, Peer
 from loaderplug.tensors.reader import iter_tensors
 
 SILENT_S = 2.0

@@ -111,7 +111,8 @@ def main() -> int:
     if die_at:
         threading.Timer(die_at, die).start()
     if os.environ.get("RANK_MAP_FAIL"):
-        from loaderplug.tensors import rank_pagecache, rank_stream
+        from loaderplug.tensors.ranks import pagecache as rank_pagecache
+        from loaderplug.tensors.ranks import stream as rank_stream
 
         def refuse(*args: object) -> None:
             raise OSError(errno.ENOMEM, os.strerror(errno.ENOMEM))

@@ -1,7 +1,7 @@
 """huggingface_hub: the names and on-disk formats loaderplug relies on.
 
 Used by :mod:`loaderplug.integrations.huggingface_hub` (the ``snapshot_download`` wrapper)
-and :mod:`loaderplug.integrations.hub_mirror` (the mirror, in the Hub's cache layout).
+and :mod:`loaderplug.integrations.hub.mirror` (the mirror, in the Hub's cache layout).
 The cache layout itself (``blobs/``, ``snapshots/``, ``refs/``) is documented; what
 follows is not, or is the public API recorded with the versions it was checked in.
 """
@@ -12,7 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, cast
 
-from . import Symbol, Upstream
+from loaderplug.integrations.upstream import Symbol, Upstream
 
 # 2.4 keeps each commit's file listing (trees/<commit>.json), which the mirror relies on.
 OLDEST = (2, 4)

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, cast
 
-from . import Symbol, Upstream
+from loaderplug.integrations.upstream import Symbol, Upstream
 
 OLDEST = (0, 5)
 NEWEST_CHECKED = "0.5.23"

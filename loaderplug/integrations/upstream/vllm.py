@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, cast
 
-from . import Symbol, Upstream
+from loaderplug.integrations.upstream import Symbol, Upstream
 
 if TYPE_CHECKING:
     from vllm.model_executor.model_loader.base_loader import BaseModelLoader

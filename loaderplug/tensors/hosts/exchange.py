@@ -1,0 +1,494 @@
+"""The reads of a one pass split between hosts: each host reads its share of the
+model's spans from its own mount of the mirror, and the hosts exchange every span over
+a gloo group of one rank per host, so each host writes the whole model into its local
+copy and the mirror is read once in all.
+
+The hosts advance in rounds, all together (:class:`~loaderplug.tensors.ranks.steps.Steps`:
+watched, an error on any host raised on every host). At each round every host says
+which span it read (or that it could not read one, or that it has nothing left), then
+the spans' bytes are gathered, each host receiving the others'. While a round's bytes
+travel, the host's readers read its next spans. Where the spans go:
+
+* a span some host already has (its current copy, or its partial copy of a killed run)
+  is read by that host from its own disk: a rerun resumes from what landed anywhere;
+* any other span by the host ``index % hosts``, round-robin over the spans in
+  offset-major order, so every host reads about 1/H of every file;
+* a span a host could not read (its retries spent: EIO, ESTALE) by the next host that
+  did not fail it; one no host can read fails the load on every host, naming it.
+
+Each host writes what it lacks into the partial copy a one pass would, journalled, and
+publishes a file by rename only when every span landed, once every host said its
+sources did not change meanwhile. A failure leaves the partial copies and their
+journals for the next run.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from loaderplug.engine.retry import RetryPolicy, retrying
+from loaderplug.engine.spans import Landed, Span, offset_major
+from loaderplug.errors import DistributedError, FileError, LoaderplugError
+from loaderplug.jobs.current_copy import is_current_copy
+from loaderplug.jobs.file_sink import FileSink, file_sink
+from loaderplug.jobs.partial import partial_for, read_landed
+from loaderplug.plugins.manager import Plugins
+from loaderplug.settings import Settings
+from loaderplug.storage.mounts import filesystem_type
+from loaderplug.tensors.ranks.files import across_hosts, by_name, same_files
+from loaderplug.tensors.ranks.steps import Steps
+from loaderplug.types import Identity, IOPolicy
+from loaderplug.units import MiB
+
+# The span hosts exchange when LOADERPLUG_SPAN_BYTES is unset: big enough that a round's
+# two small collectives cost little next to its bytes, small enough that the first
+# spans land soon (the readers share the mount) and the rounds flow. Measured
+# (benchmarks/multihost_bench.py, 1 GiB, 2 hosts, mirror 64 MiB/s a mount): 16 MiB
+# spans 0.75x / 0.56x the side-by-side hydrate at 1 / 4 Gbit/s, 4 MiB 0.53x / 0.51x.
+EXCHANGE_SPAN = 4 * MiB
+MOST_READERS = 16
+# The round after which the rates are compared: the gathers of rounds 2 and 3 timed.
+DECIDED_AT = 4
+# Readers side by side under LOADERPLUG_READERS=auto.
+AUTO_READERS = 8
+
+
+@dataclass(frozen=True)
+class HostFile:
+    """A file as one host sees it: its mirror's identity, and what its copy holds."""
+
+    size: int
+    mtime_ns: int
+    current: bool  # the local copy is current: nothing to write
+    landed: tuple[tuple[int, int], ...]  # durable in a partial copy a killed run left
+    # The SHA-256 of its header: two hosts' mirrors holding files of one size and mtime
+    # but another layout are told apart before any span is exchanged.
+    header_digest: str = ""
+
+    def has(self, span: Span) -> bool:
+        return self.current or Landed(self.landed).covers(span.offset, span.length)
+
+
+@dataclass
+class Exchanged:
+    """What this host did: bytes read from its mirror and from its own disk, bytes
+    received from the other hosts, and the rates the start of the exchange measured."""
+
+    mirror_bytes: int = 0
+    disk_bytes: int = 0
+    received_bytes: int = 0
+    rounds: int = 0
+    exchange_s: float = 0.0  # in the rounds' gathers
+    mirror_rate: float | None = None  # bytes/s, this host's mount
+    exchange_rate: float | None = None  # bytes/s received from the others
+    rates: list[tuple[float | None, float | None]] = field(default_factory=list)  # each host's
+    not_split: str | None = None  # why the hosts did not split at all
+
+
+class HostExchange:
+    """One pass's hydrate of ``files`` into ``local`` on every host of ``steps``; with
+    ``keep_going(exchanged)`` asked after the round that measured the rates (False:
+    stop, each host reads the rest alone)."""
+
+    def __init__(
+        self,
+        files: list[Path],
+        local: Path,
+        steps: Steps,
+        settings: Settings,
+        tick: Callable[[], None],
+        keep_going: Callable[[Exchanged], bool] | None = None,
+    ) -> None:
+        # By name, the same on every host whatever order each was given them in: a span
+        # names its file by its index here.
+        self.files, self.local, self.steps = by_name(files), local, steps
+        self.settings = settings
+        self.tick, self.keep_going = tick, keep_going
+        self.hosts, self.me = steps.share.size, steps.share.rank
+        self.span = settings.span_bytes or EXCHANGE_SPAN  # agreed by the hosts' caller
+        self.done = Exchanged()
+        self._measured = [0.0, 0.0]  # bytes received, seconds, in the measured gathers
+        self.finished = False  # every span landed on every host, and was published
+
+    def run(self, *, locked: bool = True) -> Exchanged:
+        """The exchange; ``locked``: this host holds its local folder's lock (if any
+        host does not, none splits)."""
+        same_files(self.steps, self.files, who="the host of rank", identify=None)
+        mine = self._aligned(self._look)
+        states = self._states(mine, locked)
+        if states is None:
+            return self.done
+        spans = self._spans(states)
+        sinks = self._aligned(lambda: self._sinks(mine, states[self.me]))
+        try:
+            reads = SpanReads(self, spans, states)
+            try:
+                self.finished = self._rounds(reads, spans, states, sinks)
+            finally:
+                reads.close()
+            if self.finished:
+                self._publish(mine, sinks)
+        finally:
+            for sink in sinks.values():
+                sink.leave()  # a published sink has nothing left to keep
+        return self.done
+
+    def _aligned(self, work: Callable[[], Any]) -> Any:
+        """``work()``, between two collectives: a failure is told to every host."""
+        try:
+            return work()
+        except DistributedError:
+            raise
+        except Exception as exc:
+            self.steps.fail(exc)
+
+    def _look(self) -> list[HostFile]:
+        """Each file on this host: its mirror's identity, its local copy's state."""
+        looked = []
+        for path in self.files:
+            try:
+                identity = Identity.of(os.stat(path))
+            except OSError as exc:
+                what = f"cannot read {path}: {exc.strerror or exc}"
+                raise FileError(what, path=str(path)) from exc
+            dst = self.local / path.name
+            current = is_current_copy(dst, identity)
+            landed = None if current else read_landed(dst, identity)
+            ranges = landed.ranges if landed is not None else ()
+            digest = _header_digest(path)
+            looked.append(HostFile(identity.size, identity.mtime_ns, current, ranges, digest))
+        return looked
+
+    def _states(self, mine: list[HostFile], locked: bool) -> list[list[HostFile]] | None:
+        """Every host's files; None (not split, :attr:`Exchanged.not_split` says why)
+        where a host's local folder is locked by another job, or the hosts' mirrors do
+        not hold the same files (size, modification time and header): each host then
+        loads its own, as it would alone."""
+        said = self.steps.exchange(("files", (mine, locked)))
+        states: list[list[HostFile]] = [s[1][0] for s in said if s is not None]
+        unlocked = [h for h, s in enumerate(said) if s is not None and not s[1][1]]
+        if unlocked:
+            self.done.not_split = (
+                f"the local folder of host #{unlocked[0]} is locked by another job (or "
+                f"shared with another host)"
+            )
+            return None
+        for index, path in enumerate(self.files):
+            seen = {(host[index].size, host[index].mtime_ns) for host in states}
+            # A header a host could not read (a range of its mount failing, which another
+            # host reads for it) is compared by the others' alone.
+            digests = {host[index].header_digest[:12] for host in states} - {""}
+            if len(seen) > 1 or len(digests) > 1:
+                self.done.not_split = (
+                    f"{path.name} differs between the hosts' mirrors (size, mtime: "
+                    f"{sorted(seen)}; header sha256: {sorted(digests)})"
+                )
+                return None
+        return states
+
+    def _spans(self, states: list[list[HostFile]]) -> list[Span]:
+        """The spans some host lacks, offset-major."""
+        sizes = [file.size for file in states[0]]
+        threshold = self.settings.split_threshold_bytes
+        every = offset_major(sizes, self.span, threshold)
+        return [s for s in every if not all(host[s.file].has(s) for host in states)]
+
+    def _sinks(self, mine: list[HostFile], state: list[HostFile]) -> dict[int, FileSink]:
+        """A partial copy for each file this host lacks (continuing a killed run's)."""
+        fs_type = filesystem_type(self.local)
+        sinks: dict[int, FileSink] = {}
+        for index, (path, file) in enumerate(zip(self.files, state, strict=True)):
+            if file.current:
+                continue
+            identity = Identity(file.size, file.mtime_ns, os.stat(path).st_ino)
+            resume = Landed(file.landed) if file.landed else None
+            # Buffered: the load that follows reads the copy back from the page cache.
+            target = IOPolicy.buffered(fs_type, "written by the hosts' exchange")
+            sink = file_sink(
+                self.local / path.name, identity, target, fsync=self.settings.fsync, resume=resume
+            )
+            try:
+                sink.prepare()
+            except BaseException:
+                for made in sinks.values():
+                    made.leave()
+                raise
+            sinks[index] = sink
+        return sinks
+
+    def _rounds(
+        self,
+        reads: SpanReads,
+        spans: list[Span],
+        states: list[list[HostFile]],
+        sinks: dict[int, FileSink],
+    ) -> bool:
+        """Rounds until no host has a span left; False if ``keep_going`` said stop."""
+        failed: dict[int, set[int]] = {}
+        while True:
+            try:
+                self.tick()
+            except DistributedError as exc:  # a rank of this host died: the hosts hear it
+                self.steps.fail(exc)
+            said = self.steps.exchange(self._aligned(lambda: reads.next_header(self.done)))
+            if all(s is None for s in said):
+                return True
+            self.done.rounds += 1
+            self._reassign(said, spans, failed, reads)
+            self._move(said, spans, reads, sinks)
+            if self.done.rounds == DECIDED_AT:
+                self.done.rates = [s[1][2] if s is not None else (None, None) for s in said]
+                if self.keep_going is not None and not self.keep_going(self.done):
+                    reads.keep_landed(sinks)
+                    return False
+
+    def _reassign(
+        self, said: list[Any], spans: list[Span], failed: dict[int, set[int]], reads: SpanReads
+    ) -> None:
+        """A span a host could not read goes to the next host that did not fail it."""
+        for host, step in enumerate(said):
+            if step is None or step[0] != "unreadable":
+                continue
+            index, why = step[1][0], step[1][1]
+            failed.setdefault(index, set()).add(host)
+            others = [(host + k) % self.hosts for k in range(1, self.hosts)]
+            untried = [h for h in others if h not in failed[index]]
+            if not untried:
+                span = spans[index]
+                raise LoaderplugError(
+                    f"{self.files[span.file].name}: bytes {span.offset}-"
+                    f"{span.offset + span.length} could not be read on any host; last: {why}"
+                )
+            if untried[0] == self.me:
+                reads.add(index)
+
+    def _move(
+        self, said: list[Any], spans: list[Span], reads: SpanReads, sinks: dict[int, FileSink]
+    ) -> None:
+        """The round's spans to every host, each written where it is lacking."""
+        import torch
+
+        lengths = [s[1][1] if s is not None and s[0] == "span" else 0 for s in said]
+        longest = max(lengths)
+        if longest == 0:
+            return
+        started = time.monotonic()
+        gathered = self.steps.gather(reads.payload(longest))
+        took = time.monotonic() - started
+        self.done.exchange_s += took
+        if self.done.rounds > 1:  # the first round's gather pays for starting up
+            self._measured[0] += sum(lengths) - lengths[self.me]
+            self._measured[1] += took
+            self.done.exchange_rate = self._measured[0] / max(self._measured[1], 1e-6)
+        for host, (step, length) in enumerate(zip(said, lengths, strict=True)):
+            if length == 0:
+                continue
+            span = spans[step[1][0]]
+            if host != self.me:
+                self.done.received_bytes += length
+            sink = sinks.get(span.file)
+            if sink is not None and not sink_has(sink, span):
+                data: torch.Tensor = gathered[host][:length]
+                self._aligned(functools.partial(_write, sink, data, span.offset))
+
+    def _publish(self, mine: list[HostFile], sinks: dict[int, FileSink]) -> None:
+        """Every copy renamed into place, once every host saw its sources unchanged."""
+        self._aligned(lambda: self._unchanged(mine, sinks))
+        self.steps.exchange(("verified", None))
+        for sink in sinks.values():
+            sink.commit()  # past the last collective: a failure is this host's alone
+
+    def _unchanged(self, mine: list[HostFile], sinks: dict[int, FileSink]) -> None:
+        for index, sink in sinks.items():
+            path, was = self.files[index], mine[index]
+            try:
+                now = Identity.of(os.stat(path))
+            except OSError as exc:
+                what = f"cannot read {path}: {exc.strerror or exc}"
+                raise FileError(what, path=str(path)) from exc
+            if (now.size, now.mtime_ns) != (was.size, was.mtime_ns):
+                sink.abort()
+                raise FileError(
+                    f"{path} changed while the hosts copied it ({now.describe()}); nothing "
+                    f"of it was published: run again once the mirror is settled",
+                    path=str(path),
+                )
+
+
+def sink_has(sink: FileSink, span: Span) -> bool:
+    """Whether ``span`` is in the partial copy already (a killed run's)."""
+    return sink.resume is not None and sink.resume.covers(span.offset, span.length)
+
+
+def _write(sink: FileSink, data: Any, offset: int) -> None:
+    sink.write(memoryview(data.numpy()), offset)
+    sink.span_landed(offset, data.numel())
+
+
+class SpanReads:
+    """This host's reads: its spans, read ahead by a pool of readers while the rounds
+    exchange the earlier ones, each with the engine's retries."""
+
+    def __init__(self, exchange: HostExchange, spans: list[Span], states: list[list[HostFile]]):
+        settings = exchange.settings
+        self._exchange, self._spans, self._mine = exchange, spans, states[exchange.me]
+        holders = [[h for h, host in enumerate(states) if host[s.file].has(s)] for s in spans]
+        # Round-robin over the spans no host has; a held span is read by its holder.
+        order = iter(range(len(spans)))
+        self._queue = [
+            i for i in order if (holders[i][0] if holders[i] else i % exchange.hosts) == exchange.me
+        ]
+        # Spans read ahead (the memory budget) by the readers the setting asks for: more
+        # readers side by side would only make each span, and the first round, later.
+        self._ahead = max(1, min(MOST_READERS, settings.bytes_in_flight // exchange.span))
+        readers = settings.readers if isinstance(settings.readers, int) else AUTO_READERS
+        self._readers = max(1, min(self._ahead, readers, len(self._queue)))
+        self._pool = ThreadPoolExecutor(self._readers, thread_name_prefix="loaderplug-hosts")
+        self._pending: list[tuple[int, Future[tuple[bytearray, float]]]] = []
+        self._policy = RetryPolicy.of(settings)
+        self._plugins = Plugins(settings)
+        self._policies: dict[Path, IOPolicy] = {}
+        self._sent: tuple[int, bytearray] | None = None
+        self._timed: list[tuple[float, float, int]] = []  # each mirror read: start, end, bytes
+        self._fill()
+
+    def add(self, index: int) -> None:
+        self._queue.append(index)
+        self._fill()
+
+    def _fill(self) -> None:
+        while self._queue and len(self._pending) < self._ahead:
+            index = self._queue.pop(0)
+            self._pending.append((index, self._pool.submit(self._read, index)))
+
+    def _source(self, span: Span) -> tuple[Path, bool]:
+        """Where this host reads ``span``: its own copy if it has it, else its mirror."""
+        path = self._exchange.files[span.file]
+        dst = self._exchange.local / path.name
+        file = self._mine[span.file]
+        if file.current:
+            return dst, False
+        if file.has(span):
+            return partial_for(dst), False
+        return path, True
+
+    def _read(self, index: int) -> tuple[bytearray, float]:
+        span = self._spans[index]
+        path, from_mirror = self._source(span)
+        buf = bytearray(span.length)
+
+        def read() -> None:
+            # Through the source hook, as every read of a job: a plugin's source too.
+            source = self._plugins.open_source(str(path), self._policy_of(path))
+            try:
+                view, done = memoryview(buf), 0
+                while done < span.length:
+                    got = source.pread_into(view[done:], span.offset + done)
+                    if got == 0:
+                        shrank = f"{path} ends before byte {span.offset + done}: it shrank"
+                        raise FileError(shrank, path=str(path))
+                    done += got
+            finally:
+                source.close()
+
+        started = time.monotonic()
+        retrying(read, self._policy, _give_up(path, span))
+        ended = time.monotonic()
+        if from_mirror:
+            self._timed.append((started, ended, span.length))
+        return buf, ended - started
+
+    def _policy_of(self, path: Path) -> IOPolicy:
+        """How ``path``'s folder is read: buffered, as a network mirror is; spans land in
+        plain memory, which O_DIRECT refuses, and no probe of the mount is wanted (it
+        would read the mirror again)."""
+        folder = path.parent
+        if folder not in self._policies:
+            fs_type = filesystem_type(folder)
+            self._policies[folder] = IOPolicy.buffered(fs_type, "read for the hosts' exchange")
+        return self._policies[folder]
+
+    def next_header(self, done: Exchanged) -> tuple[str, Any] | None:
+        """This host's word for the next round: the span it read next, one it could not
+        read, or None when it has none left; with the rates it measured."""
+        self._sent = None
+        if not self._pending:
+            return None
+        index, future = self._pending.pop(0)
+        self._fill()
+        try:
+            buf, _ = future.result()
+        except OSError as exc:
+            return ("unreadable", (index, str(exc), self._rates(done)))
+        span = self._spans[index]
+        if self._source(span)[1]:
+            done.mirror_bytes += span.length
+        else:
+            done.disk_bytes += span.length
+        self._sent = (index, buf)
+        return ("span", (index, span.length, self._rates(done)))
+
+    def _rates(self, done: Exchanged) -> tuple[float | None, float | None]:
+        """The mount's rate (the bytes its readers, side by side, read from the first
+        read's start to the last one's end), and the exchange's, as measured so far."""
+        timed = list(self._timed)
+        if timed:
+            seconds = max(end for _, end, _ in timed) - min(start for start, _, _ in timed)
+            done.mirror_rate = sum(n for _, _, n in timed) / max(seconds, 1e-6)
+        return done.mirror_rate, done.exchange_rate
+
+    def payload(self, longest: int) -> Any:
+        """What this host puts into the round's gather: its span, padded to ``longest``."""
+        import torch
+
+        if self._sent is not None and len(self._sent[1]) == longest > 0:
+            return torch.frombuffer(self._sent[1], dtype=torch.uint8)
+        padded = torch.zeros(longest, dtype=torch.uint8)
+        if self._sent is not None and len(self._sent[1]):
+            padded[: len(self._sent[1])] = torch.frombuffer(self._sent[1], dtype=torch.uint8)
+        return padded
+
+    def keep_landed(self, sinks: dict[int, FileSink]) -> None:
+        """Write what this host read and did not send into its own copies (journalled),
+        so each host, reading the rest alone, does not read it again."""
+        import torch
+
+        for index, future in self._pending:
+            span = self._spans[index]
+            sink = sinks.get(span.file)
+            try:
+                buf, _ = future.result()
+            except OSError:
+                continue
+            if sink is not None and len(buf) and not sink_has(sink, span):
+                _write(sink, torch.frombuffer(buf, dtype=torch.uint8), span.offset)
+        self._pending.clear()
+
+    def close(self) -> None:
+        self._queue.clear()
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _give_up(path: Path, span: Span) -> Callable[[OSError, int | None], Exception]:
+    def give_up(exc: OSError, attempts: int | None) -> Exception:
+        tries = f" after {attempts} attempts" if attempts else ""
+        where = f"{path}: bytes {span.offset}-{span.offset + span.length}"
+        return OSError(exc.errno, f"{where}: {exc.strerror or exc}{tries}")
+
+    return give_up
+
+
+def _header_digest(path: Path) -> str:
+    """The SHA-256 of ``path``'s header as this host reads it, or "" where this host
+    cannot read it (the exchange reads such a range from another host)."""
+    try:
+        return str(across_hosts(path)[1])
+    except LoaderplugError:
+        return ""
