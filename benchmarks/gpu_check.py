@@ -183,11 +183,7 @@ def ranks_check(
     return 1 if any(row["bad"] for row in rows) else 0
 
 
-def main() -> int:
-    compile_loaderplug()
-    if len(sys.argv) > 1 and sys.argv[1] == "--rank-child":
-        rank, world, init, *files = sys.argv[2:]
-        return rank_main(int(rank), int(world), init, files)
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--size-mib", type=int, default=1024)
     parser.add_argument("--dir", default=tempfile.gettempdir())
@@ -195,59 +191,84 @@ def main() -> int:
     parser.add_argument(
         "--page-cache-ranks", action="store_true", help="also the page-cache ranks check (5.)"
     )
-    args = parser.parse_args()
+    return parser.parse_args()
 
+
+def time_loaders(
+    files: list[str],
+) -> tuple[list[tuple[str, str, float, float]], dict[str, dict[str, Any]], dict[str, str]]:
+    """Each of :data:`LOADERS` to ``cuda``, cold then warm: the timed rows, the tensors
+    each loader gave (its warm load's), and the loaders that failed with why."""
     import torch
 
-    if not torch.cuda.is_available():
-        print("no CUDA device here: run this on a GPU machine", file=sys.stderr)
-        return 2
-    from loaderplug.testing.model import write_model
+    rows, results, failed = [], {}, {}
+    for state in ("cold", "warm"):
+        for name in LOADERS:
+            if name in failed:
+                continue
+            if state == "cold":
+                drop_cache(files)
+            else:  # whatever the loader before read with (O_DIRECT leaves nothing)
+                warm_cache(files)
+            torch.cuda.synchronize()
+            started = time.perf_counter()
+            try:
+                tensors, first = load_with(name, files, "cuda")
+            except Exception as exc:  # a comparison's failure must not hide the rest
+                if name in ("loaderplug", "safetensors"):  # the one and the reference
+                    raise
+                failed[name] = f"{type(exc).__name__}: {exc}"
+                continue
+            torch.cuda.synchronize()
+            seconds = time.perf_counter() - started
+            results[name] = tensors
+            rows.append((state, name, seconds, first))
+    return rows, results, failed
 
-    with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
-        files = [str(p) for p in write_model(Path(tmp), args.size_mib * MiB, shards=4)]
-        total = sum(os.path.getsize(f) for f in files)
 
-        rows, results, failed = [], {}, {}
-        for state in ("cold", "warm"):
-            for name in LOADERS:
-                if name in failed:
-                    continue
-                if state == "cold":
-                    drop_cache(files)
-                else:  # whatever the loader before read with (O_DIRECT leaves nothing)
-                    warm_cache(files)
-                torch.cuda.synchronize()
-                started = time.perf_counter()
-                try:
-                    tensors, first = load_with(name, files, "cuda")
-                except Exception as exc:  # a comparison's failure must not hide the rest
-                    if name in ("loaderplug", "safetensors"):  # the one and the reference
-                        raise
-                    failed[name] = f"{type(exc).__name__}: {exc}"
-                    continue
-                torch.cuda.synchronize()
-                seconds = time.perf_counter() - started
-                results[name] = tensors
-                rows.append((state, name, seconds, first))
-        reference = results["safetensors"]
-        bad = [
-            (who, k)
-            for who in results
-            for k, v in reference.items()
-            if not same_bytes(results[who][k], v)
-        ]
-        del results, reference, tensors  # the GPU's memory back before the copy below
+def unequal_tensors(results: dict[str, dict[str, Any]]) -> list[tuple[str, str]]:
+    """(loader, tensor) for every tensor that differs from safetensors' own."""
+    reference = results["safetensors"]
+    return [
+        (who, k)
+        for who in results
+        for k, v in reference.items()
+        if not same_bytes(results[who][k], v)
+    ]
 
-        host = torch.empty(total, dtype=torch.uint8, pin_memory=True)
-        device = torch.empty(total, dtype=torch.uint8, device="cuda")
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        device.copy_(host, non_blocking=True)
-        end.record()
-        torch.cuda.synchronize()
-        h2d = total / MiB / (start.elapsed_time(end) / 1000)
 
+def loader_figures(
+    files: list[str],
+) -> tuple[list[tuple[str, str, float, float]], dict[str, str], list[tuple[str, str]]]:
+    """Checks 1 and 2: the timed rows, the failed loaders, the tensors that differ. The
+    loaded tensors go with this call's return, so the GPU's memory is back before the
+    copy of :func:`pinned_h2d_mib_per_s`."""
+    rows, results, failed = time_loaders(files)
+    return rows, failed, unequal_tensors(results)
+
+
+def pinned_h2d_mib_per_s(total: int) -> float:
+    """Check 3: one pinned-memory copy of ``total`` bytes to the GPU, timed with CUDA
+    events."""
+    import torch
+
+    host = torch.empty(total, dtype=torch.uint8, pin_memory=True)
+    device = torch.empty(total, dtype=torch.uint8, device="cuda")
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    device.copy_(host, non_blocking=True)
+    end.record()
+    torch.cuda.synchronize()
+    return total / MiB / (start.elapsed_time(end) / 1000)
+
+
+def print_loader_table(
+    rows: list[tuple[str, str, float, float]],
+    failed: dict[str, str],
+    bad: list[tuple[str, str]],
+    total: int,
+    h2d: float,
+) -> None:
     print(f"| cache | loader | s | MiB/s | x pinned H2D ({h2d:.0f} MiB/s) | first tensor s |")
     print("|---|---|---|---|---|---|")
     for state, name, seconds, first in rows:
@@ -258,19 +279,52 @@ def main() -> int:
     for name, error in failed.items():
         print(f"| - | {name} | failed: {error} | | | |")
     print("\nequal to safetensors:", "yes" if not bad else f"NO: {bad[:5]}")
-    status = 1 if bad else 0
+
+
+def model_files(tmp: str, size_mib: int) -> list[str]:
+    from loaderplug.testing.model import write_model
+
+    return [str(p) for p in write_model(Path(tmp), size_mib * MiB, shards=4)]
+
+
+def ranks_checks(args: argparse.Namespace) -> int:
+    """Checks 4 and 5, those the options ask for, each on a model of its own; the worst
+    exit status."""
+    status = 0
     if args.ranks:
         with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
-            files = [str(p) for p in write_model(Path(tmp), args.size_mib * MiB, shards=4)]
+            files = model_files(tmp, args.size_mib)
             status = max(status, ranks_check(files, tmp))
     if args.page_cache_ranks:
         with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
-            files = [str(p) for p in write_model(Path(tmp), args.size_mib * MiB, shards=4)]
+            files = model_files(tmp, args.size_mib)
             for sharing in ("pagecache", "stream"):
                 status = max(status, ranks_check(files, tmp, sharing))
             local = os.path.join(tmp, "local")
             status = max(status, ranks_check(files, tmp, "stream", local=local))
     return status
+
+
+def main() -> int:
+    compile_loaderplug()
+    if len(sys.argv) > 1 and sys.argv[1] == "--rank-child":
+        rank, world, init, *files = sys.argv[2:]
+        return rank_main(int(rank), int(world), init, files)
+    args = parse_args()
+
+    import torch
+
+    if not torch.cuda.is_available():
+        print("no CUDA device here: run this on a GPU machine", file=sys.stderr)
+        return 2
+    with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
+        files = model_files(tmp, args.size_mib)
+        total = sum(os.path.getsize(f) for f in files)
+        rows, failed, bad = loader_figures(files)
+        h2d = pinned_h2d_mib_per_s(total)
+    print_loader_table(rows, failed, bad, total, h2d)
+    status = 1 if bad else 0
+    return max(status, ranks_checks(args))
 
 
 if __name__ == "__main__":

@@ -50,9 +50,15 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from common import compile_loaderplug  # benchmarks/ is on sys.path when run
+from common import (  # benchmarks/ is on sys.path when run
+    compile_loaderplug,
+    run_timed,
+    write_results,
+)
 
 from loaderplug.units import GiB, MiB
 
@@ -202,15 +208,9 @@ def table(results: dict[str, list[dict]], total: int) -> str:
     return "\n".join(lines)
 
 
-def bench(args: argparse.Namespace) -> None:
-    sys.path.insert(0, str(HERE))
-    sys.path.insert(0, str(ROOT))
-    from common import run_timed
-    from hydrate_bench import PROFILE, ram_dir
-
-    from loaderplug.testing.hub import HubServer, client_env, share_blobs
-    from loaderplug.testing.tiny_llama import write_tiny_llama
-    from loaderplug.testing.volume import fuse_unavailable_reason, mounted
+def missing_requirement() -> str | None:
+    """Why this machine cannot run the benchmark, or None if it can."""
+    from loaderplug.testing.volume import fuse_unavailable_reason
 
     reason = fuse_unavailable_reason()
     if not Path("/usr/bin/time").exists():
@@ -219,109 +219,149 @@ def bench(args: argparse.Namespace) -> None:
         import huggingface_hub  # noqa: F401
     except ImportError:
         reason = "huggingface_hub is missing (pip install -e '.[hf]')"
-    if reason:
-        raise SystemExit(f"this benchmark needs the FUSE test volume and the Hub client: {reason}")
-    size = 256 * MiB if args.quick else GiB
-    rounds = 1 if args.quick else args.rounds
-    # The children get exactly the settings below, none inherited from this shell.
+    return reason
+
+
+def forget_client_settings() -> None:
+    """The children get exactly the settings this benchmark gives them, none inherited
+    from this shell."""
     for name in list(os.environ):
         if name.startswith(("HF_", "HUGGING_FACE_", "LOADERPLUG_")) or name in (
             "TRANSFORMERS_OFFLINE",
             "TRANSFORMERS_CACHE",
         ):
             del os.environ[name]
-    results: dict[str, list[dict]] = {n: [] for n in NAMES}
-    with (
-        tempfile.TemporaryDirectory(prefix="hub-bench-", dir="/var/tmp") as tmp,
-        tempfile.TemporaryDirectory(prefix="hub-bench-", dir=ram_dir()) as ram,
-        HubServer() as server,
-    ):
-        work = Path(tmp)
-        src = work / "src"
-        # A real Llama (transformers loads it): 16 layers of 1024 make about 1 GiB.
-        layers = max(1, round(16 * size / GiB))
-        write_tiny_llama(src, shards=4, hidden_size=1024, num_layers=layers, intermediate_size=4096)
-        names = sorted(p.name for p in src.iterdir())
-        server.announce_xet = True
-        sha = server.add_repo(REPO, {n: (src / n).read_bytes() for n in names})
-        total = sum((src / n).stat().st_size for n in names)
-        home = work / "hf_home"
-        env = {**client_env(server.endpoint, home), "LOADERPLUG_PROGRESS": "0"}
+
+
+@dataclass
+class Stage:
+    """What every run shares: the Hub server with the repo on it, the children's
+    settings, and the repo's files to check each snapshot against."""
+
+    server: Any
+    env: dict[str, str]
+    src: Path
+    names: list[str]
+    total: int
+
+    def run(self, name: str, cache: Path | None, extra: dict[str, str]) -> dict:
+        """One contender's child in an empty ``cache``: its figures, peak RSS and the
+        requests the Hub server saw from it."""
+        if cache is not None:
+            shutil.rmtree(cache, ignore_errors=True)
+            cache.mkdir(parents=True)
+        subprocess.run(["sync"], check=True)
+        server = self.server
+        seen, seen_files = len(server.requests), server.file_requests()
         script = [sys.executable, __file__, "--child"]
+        _s, rss, out = run_timed([*script, name, REPO, str(cache or "")], {**self.env, **extra})
+        figures = json.loads(out.strip().splitlines()[-1])
+        figures["rss"] = rss
+        figures["requests"] = len(server.requests) - seen
+        figures["file_requests"] = server.file_requests() - seen_files
+        assert figures["bytes"] == self.total and figures["files"] == len(self.names), figures
+        return figures
 
-        def run(name: str, cache: Path | None, extra: dict[str, str]) -> dict:
-            if cache is not None:
-                shutil.rmtree(cache, ignore_errors=True)
-                cache.mkdir(parents=True)
-            subprocess.run(["sync"], check=True)
-            seen, seen_files = len(server.requests), server.file_requests()
-            _s, rss, out = run_timed([*script, name, REPO, str(cache or "")], {**env, **extra})
-            figures = json.loads(out.strip().splitlines()[-1])
-            figures["rss"] = rss
-            figures["requests"] = len(server.requests) - seen
-            figures["file_requests"] = server.file_requests() - seen_files
-            assert figures["bytes"] == total and figures["files"] == len(names), figures
-            return figures
 
-        # Fill the mirror once, straight into the volume's backing folder (no throttle).
-        backing = Path(ram) / "backing"
-        backing.mkdir()
-        fill = run(LOADERPLUG, work / "fill-cache", {"LOADERPLUG_MIRROR": str(backing)})
-        assert fill["file_requests"] > 0, f"the fill did not download: {fill}"
-        shutil.rmtree(work / "fill-cache")
-        check_mirror(backing / "hub" / "models--bench-org--bench-model", sha, src, names)
-        print(f"  mirror filled: {fill['call_s']:.2f} s (download + copy to the mirror)")
-        if args.layout == "shared":
-            shared = share_blobs(backing / "hub")
-            check_mirror(backing / "hub" / "models--bench-org--bench-model", sha, src, names)
-            print(f"  mirror laid out with the shared Xet store: {shared} blobs in it")
+def put_repo(server: Any, src: Path, size: int) -> tuple[list[str], str]:
+    """Write a Llama of about ``size`` bytes to ``src`` and serve it as :data:`REPO`,
+    its weights announced as Xet-backed: its file names and commit."""
+    from loaderplug.testing.tiny_llama import write_tiny_llama
 
-        mnt = work / "mnt"
-        mnt.mkdir()
-        contenders: dict[str, tuple[Path | None, dict[str, str], Path]] = {
-            HUB: (work / "cache-hub", {}, work / "cache-hub"),
-            LOADERPLUG: (work / "cache-lp", {"LOADERPLUG_MIRROR": str(mnt)}, work / "cache-lp"),
-            MOUNT: (None, {"HF_HUB_CACHE": str(mnt / "hub"), "HF_HUB_OFFLINE": "1"}, mnt),
-            PLAIN: (work / "cache-plain", {"BENCH_MIRROR": str(mnt / "hub")}, work / "cache-plain"),
-            TF_HUB: (work / "cache-tf-hub", {}, work / "cache-tf-hub"),
-            TF_LOADERPLUG: (
-                work / "cache-tf-lp",
-                {"LOADERPLUG_MIRROR": str(mnt)},
-                work / "cache-tf-lp",
-            ),
-        }
-        with mounted(backing, mnt, PROFILE):
-            for round_ in range(rounds):
-                for name in NAMES[round_ % len(NAMES) :] + NAMES[: round_ % len(NAMES)]:
-                    cache, extra, inside = contenders[name]
-                    figures = run(name, cache, extra)
-                    # Worker 2 asks which commit main names (one request, as stock
-                    # does); transformers makes its own API calls; no file may come
-                    # from the Hub but for the stock downloads.
-                    api = figures["requests"] - figures["file_requests"]
-                    allowed = {HUB: None, TF_HUB: None, LOADERPLUG: 1, TF_LOADERPLUG: api}
-                    most = allowed.get(name, 0)
-                    too_many = most is not None and (figures["file_requests"] or api > most)
-                    if too_many:
-                        raise SystemExit(
-                            f"{name} sent {figures['requests']} request(s) to the Hub server: "
-                            f"{server.requests[-figures['requests'] :][:8]}"
-                        )
-                    path = Path(figures["path"])
-                    where = Path(os.path.realpath(path))
-                    assert where.is_relative_to(os.path.realpath(inside)), f"{name}: {path}"
-                    if cache is not None and round_ == 0:
-                        assert all(filecmp.cmp(src / n, path / n, shallow=False) for n in names), (
-                            f"{name}: the snapshot differs from the repo"
-                        )
-                    results[name].append(figures)
-                    print(
-                        f"  round {round_ + 1}: {name:36s} call {figures['call_s']:6.2f} s"
-                        f"  usable {figures['usable_s']:6.2f} s",
-                        flush=True,
-                    )
-    text = table(results, total) + "\n\n" + transformers_table(results)
-    header = (
+    # A real Llama (transformers loads it): 16 layers of 1024 make about 1 GiB.
+    layers = max(1, round(16 * size / GiB))
+    write_tiny_llama(src, shards=4, hidden_size=1024, num_layers=layers, intermediate_size=4096)
+    names = sorted(p.name for p in src.iterdir())
+    server.announce_xet = True
+    sha = server.add_repo(REPO, {n: (src / n).read_bytes() for n in names})
+    return names, sha
+
+
+def fill_mirror(stage: Stage, work: Path, backing: Path, sha: str, layout: str) -> dict:
+    """Fill the mirror once, straight into the volume's backing folder (no throttle),
+    laid out as ``layout`` asks; the fill's figures."""
+    from loaderplug.testing.hub import share_blobs
+
+    fill = stage.run(LOADERPLUG, work / "fill-cache", {"LOADERPLUG_MIRROR": str(backing)})
+    assert fill["file_requests"] > 0, f"the fill did not download: {fill}"
+    shutil.rmtree(work / "fill-cache")
+    mirror = backing / "hub" / "models--bench-org--bench-model"
+    check_mirror(mirror, sha, stage.src, stage.names)
+    print(f"  mirror filled: {fill['call_s']:.2f} s (download + copy to the mirror)")
+    if layout == "shared":
+        shared = share_blobs(backing / "hub")
+        check_mirror(mirror, sha, stage.src, stage.names)
+        print(f"  mirror laid out with the shared Xet store: {shared} blobs in it")
+    return fill
+
+
+def contenders(work: Path, mnt: Path) -> dict[str, tuple[Path | None, dict[str, str], Path]]:
+    """Each contender's cache (emptied before each run; None for none), settings, and
+    the folder its snapshot must lie in."""
+    return {
+        HUB: (work / "cache-hub", {}, work / "cache-hub"),
+        LOADERPLUG: (work / "cache-lp", {"LOADERPLUG_MIRROR": str(mnt)}, work / "cache-lp"),
+        MOUNT: (None, {"HF_HUB_CACHE": str(mnt / "hub"), "HF_HUB_OFFLINE": "1"}, mnt),
+        PLAIN: (work / "cache-plain", {"BENCH_MIRROR": str(mnt / "hub")}, work / "cache-plain"),
+        TF_HUB: (work / "cache-tf-hub", {}, work / "cache-tf-hub"),
+        TF_LOADERPLUG: (
+            work / "cache-tf-lp",
+            {"LOADERPLUG_MIRROR": str(mnt)},
+            work / "cache-tf-lp",
+        ),
+    }
+
+
+def check_requests(server: Any, name: str, figures: dict) -> None:
+    """Worker 2 asks which commit main names (one request, as stock does); transformers
+    makes its own API calls; no file may come from the Hub but for the stock downloads."""
+    api = figures["requests"] - figures["file_requests"]
+    allowed = {HUB: None, TF_HUB: None, LOADERPLUG: 1, TF_LOADERPLUG: api}
+    most = allowed.get(name, 0)
+    too_many = most is not None and (figures["file_requests"] or api > most)
+    if too_many:
+        raise SystemExit(
+            f"{name} sent {figures['requests']} request(s) to the Hub server: "
+            f"{server.requests[-figures['requests'] :][:8]}"
+        )
+
+
+def check_snapshot(
+    stage: Stage, name: str, figures: dict, inside: Path, compare_bytes: bool
+) -> None:
+    """The snapshot lies where the contender's settings put it and, if
+    ``compare_bytes``, holds the repo's bytes."""
+    path = Path(figures["path"])
+    where = Path(os.path.realpath(path))
+    assert where.is_relative_to(os.path.realpath(inside)), f"{name}: {path}"
+    if compare_bytes:
+        src, names = stage.src, stage.names
+        assert all(filecmp.cmp(src / n, path / n, shallow=False) for n in names), (
+            f"{name}: the snapshot differs from the repo"
+        )
+
+
+def run_rounds(stage: Stage, work: Path, mnt: Path, rounds: int) -> dict[str, list[dict]]:
+    """Every contender once a round, the order turned by one each round; their figures."""
+    results: dict[str, list[dict]] = {n: [] for n in NAMES}
+    each = contenders(work, mnt)
+    for round_ in range(rounds):
+        for name in NAMES[round_ % len(NAMES) :] + NAMES[: round_ % len(NAMES)]:
+            cache, extra, inside = each[name]
+            figures = stage.run(name, cache, extra)
+            check_requests(stage.server, name, figures)
+            check_snapshot(stage, name, figures, inside, cache is not None and round_ == 0)
+            results[name].append(figures)
+            print(
+                f"  round {round_ + 1}: {name:36s} call {figures['call_s']:6.2f} s"
+                f"  usable {figures['usable_s']:6.2f} s",
+                flush=True,
+            )
+    return results
+
+
+def hub_header(total: int, rounds: int, args: argparse.Namespace) -> str:
+    return (
         f"# Hugging Face hub benchmark\n\n{total / MiB:.0f} MiB Llama repo (4 safetensors "
         f"shards, config, tokenizer, index; weights announced as Xet-backed) on the local Hub "
         f"server (loaderplug/testing/hub.py, plain HTTP on "
@@ -344,15 +384,20 @@ def bench(args: argparse.Namespace) -> None:
         f"to `/resolve/` per run. Command: "
         f"`python benchmarks/hub_bench.py{' --quick' if args.quick else ''}`.\n\n"
     )
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "hub.md").write_text(header + text + "\n")
-    raw = {
+
+
+def raw_results(
+    stage: Stage, sha: str, rounds: int, layout: str, fill: dict, results: dict
+) -> dict[str, object]:
+    from hydrate_bench import PROFILE
+
+    return {
         "repo": REPO,
         "commit": sha,
-        "bytes": total,
-        "files": len(names),
+        "bytes": stage.total,
+        "files": len(stage.names),
         "rounds": rounds,
-        "layout": args.layout,
+        "layout": layout,
         "profile": {
             "per_stream_bytes_per_s": PROFILE.per_stream_bytes_per_s,
             "mount_bytes_per_s": PROFILE.mount_bytes_per_s,
@@ -361,8 +406,43 @@ def bench(args: argparse.Namespace) -> None:
         "fill": fill,
         "results": results,
     }
-    (args.out / "hub.json").write_text(json.dumps(raw, indent=1))
-    print(text)
+
+
+def bench(args: argparse.Namespace) -> None:
+    sys.path.insert(0, str(HERE))
+    sys.path.insert(0, str(ROOT))
+    from hydrate_bench import PROFILE, ram_dir
+
+    from loaderplug.testing.hub import HubServer, client_env
+    from loaderplug.testing.volume import mounted
+
+    reason = missing_requirement()
+    if reason:
+        raise SystemExit(f"this benchmark needs the FUSE test volume and the Hub client: {reason}")
+    size = 256 * MiB if args.quick else GiB
+    rounds = 1 if args.quick else args.rounds
+    forget_client_settings()
+    with (
+        tempfile.TemporaryDirectory(prefix="hub-bench-", dir="/var/tmp") as tmp,
+        tempfile.TemporaryDirectory(prefix="hub-bench-", dir=ram_dir()) as ram,
+        HubServer() as server,
+    ):
+        work = Path(tmp)
+        src = work / "src"
+        names, sha = put_repo(server, src, size)
+        total = sum((src / n).stat().st_size for n in names)
+        env = {**client_env(server.endpoint, work / "hf_home"), "LOADERPLUG_PROGRESS": "0"}
+        stage = Stage(server, env, src, names, total)
+        backing = Path(ram) / "backing"
+        backing.mkdir()
+        fill = fill_mirror(stage, work, backing, sha, args.layout)
+        mnt = work / "mnt"
+        mnt.mkdir()
+        with mounted(backing, mnt, PROFILE):
+            results = run_rounds(stage, work, mnt, rounds)
+    text = table(results, total) + "\n\n" + transformers_table(results)
+    raw = raw_results(stage, sha, rounds, args.layout, fill, results)
+    write_results(args.out, "hub", hub_header(total, rounds, args), text, raw)
 
 
 def main() -> None:

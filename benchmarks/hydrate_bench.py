@@ -93,6 +93,87 @@ def same_shards(reference: Path, copy: Path) -> bool:
     )
 
 
+def lay_out_mirror(local: Path, backing: Path, size: int, shards: int) -> int:
+    """Write the model to ``local`` and let runpod's own sync lay out its mirror of it,
+    straight to the volume's backing folder; the model's shard bytes."""
+    write_model(local, size, shards)
+    total = sum(p.stat().st_size for p in local.glob("*.safetensors"))
+    backing.mkdir()
+    from runpod.serverless.utils.rp_volume_cache import VolumeCache
+
+    VolumeCache(dirs=[local], namespace="bench", volume_path=backing, best_effort=False).sync(
+        background=False
+    )
+    return total
+
+
+def contenders(local: Path, mnt: Path, dst: Path) -> dict[str, tuple[list[str], Path | None]]:
+    """Each contender's command, and the folder its copy lands in (None: no copy)."""
+    mirror = mnt / ".cache" / "bench" / "big" / str(local).lstrip("/")
+    runpod_code = (
+        "from runpod.serverless.utils.rp_volume_cache import VolumeCache;"
+        f"n = VolumeCache(dirs=[{str(local)!r}], namespace='bench', volume_path={str(mnt)!r},"
+        " best_effort=False).hydrate(); assert n > 0, n"
+    )
+    return {
+        "probe (parallel ranges)": ([sys.executable, __file__, "--probe", str(mirror)], None),
+        "loaderplug": (
+            [
+                sys.executable,
+                "-m",
+                "loaderplug",
+                "hydrate",
+                "--from",
+                str(mirror),
+                "--to",
+                str(dst),
+            ],
+            dst,
+        ),
+        "runpod VolumeCache": ([sys.executable, "-c", runpod_code], local),
+        "cp -r": (["cp", "-r", str(mirror), str(dst)], dst),
+    }
+
+
+def run_contender(cmd: list[str], out: Path | None, local: Path) -> tuple[float, int]:
+    """One contender's run into an empty ``out`` (runpod's, ``local``, must exist):
+    its wall seconds and peak RSS."""
+    if out is not None:
+        shutil.rmtree(out, ignore_errors=True)
+        if out == local:
+            out.mkdir(parents=True)
+    subprocess.run(["sync"], check=True)
+    return run_measured(cmd, env={"LOADERPLUG_PROGRESS": "0"})
+
+
+def alternate(
+    label: str,
+    total: int,
+    each: dict[str, tuple[list[str], Path | None]],
+    rounds: int,
+    local: Path,
+    local_copy: Path,
+) -> dict[str, Measured]:
+    """Every contender once a round, the order turned by one each round."""
+    results: dict[str, Measured] = {}
+    order = list(each)
+    for round_ in range(rounds):
+        for name in order[round_ % 4 :] + order[: round_ % 4]:
+            cmd, out = each[name]
+            seconds, rss = run_contender(cmd, out, local)
+            m = results.setdefault(name, Measured())
+            m.seconds.append(seconds)
+            m.rss.append(rss)
+            if out is not None and round_ == 0:
+                # Compare with the model as written, not through the slow mount.
+                assert same_shards(local_copy, out), f"{name} produced a different tree"
+            print(
+                f"  {label} round {round_ + 1}: {name:24s} {total / MiB / seconds:7.1f} MiB/s",
+                flush=True,
+            )
+    return results
+
+
 def bench_scenario(work: Path, ram: Path, label: str, size: int, shards: int, rounds: int) -> dict:
     """Alternate the four contenders over one model behind one throttled mount.
 
@@ -101,67 +182,15 @@ def bench_scenario(work: Path, ram: Path, label: str, size: int, shards: int, ro
     """
     base = work / label.replace(" ", "-")
     local = base / "rp-local" / "model"
-    write_model(local, size, shards)
-    total = sum(p.stat().st_size for p in local.glob("*.safetensors"))
     backing = ram / label.replace(" ", "-")
-    backing.mkdir()
-    from runpod.serverless.utils.rp_volume_cache import VolumeCache
-
-    # runpod's own sync lays out its mirror (written straight to the backing folder).
-    VolumeCache(dirs=[local], namespace="bench", volume_path=backing, best_effort=False).sync(
-        background=False
-    )
+    total = lay_out_mirror(local, backing, size, shards)
     local_copy = base / "reference"
     shutil.copytree(local, local_copy)
     mnt = base / "mnt"
     mnt.mkdir()
-    dst = base / "dst"
-    results: dict[str, Measured] = {}
     with mounted(backing, mnt, PROFILE):
-        mirror = mnt / ".cache" / "bench" / "big" / str(local).lstrip("/")
-        runpod_code = (
-            "from runpod.serverless.utils.rp_volume_cache import VolumeCache;"
-            f"n = VolumeCache(dirs=[{str(local)!r}], namespace='bench', volume_path={str(mnt)!r},"
-            " best_effort=False).hydrate(); assert n > 0, n"
-        )
-        contenders: dict[str, tuple[list[str], Path | None]] = {
-            "probe (parallel ranges)": ([sys.executable, __file__, "--probe", str(mirror)], None),
-            "loaderplug": (
-                [
-                    sys.executable,
-                    "-m",
-                    "loaderplug",
-                    "hydrate",
-                    "--from",
-                    str(mirror),
-                    "--to",
-                    str(dst),
-                ],
-                dst,
-            ),
-            "runpod VolumeCache": ([sys.executable, "-c", runpod_code], local),
-            "cp -r": (["cp", "-r", str(mirror), str(dst)], dst),
-        }
-        order = list(contenders)
-        for round_ in range(rounds):
-            for name in order[round_ % 4 :] + order[: round_ % 4]:
-                cmd, out = contenders[name]
-                if out is not None:
-                    shutil.rmtree(out, ignore_errors=True)
-                    if out == local:
-                        out.mkdir(parents=True)
-                subprocess.run(["sync"], check=True)
-                seconds, rss = run_measured(cmd, env={"LOADERPLUG_PROGRESS": "0"})
-                m = results.setdefault(name, Measured())
-                m.seconds.append(seconds)
-                m.rss.append(rss)
-                if out is not None and round_ == 0:
-                    # Compare with the model as written, not through the slow mount.
-                    assert same_shards(local_copy, out), f"{name} produced a different tree"
-                print(
-                    f"  {label} round {round_ + 1}: {name:24s} {total / MiB / seconds:7.1f} MiB/s",
-                    flush=True,
-                )
+        each = contenders(local, mnt, base / "dst")
+        results = alternate(label, total, each, rounds, local, local_copy)
     return {"label": label, "bytes": total, "shards": shards, "results": results}
 
 

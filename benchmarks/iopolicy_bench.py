@@ -113,17 +113,47 @@ def run_case(
     }
 
 
-def main() -> None:
-    compile_loaderplug()
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "--quick", action="store_true", help="a 1 GiB model, 2 rounds (else 2 GiB, 5)"
     )
     parser.add_argument("--out", type=Path, default=HERE / "results")
-    args = parser.parse_args()
-    size = GiB if args.quick else 2 * GiB
-    rounds = 2 if args.quick else 5
-    started = time.perf_counter()
+    return parser.parse_args()
+
+
+def load_of(folder: Path) -> Any:
+    """The command of a load of ``folder``."""
+    return lambda: ["load", str(folder)]
+
+
+def hydrate_of(folder: Path, local: Path) -> Any:
+    """The command of a hydrate of ``folder`` into ``local``, emptied first."""
+
+    def command() -> list[str]:
+        shutil.rmtree(local, ignore_errors=True)
+        return ["hydrate", "--from", str(folder), "--to", str(local)]
+
+    return command
+
+
+def measure_mount(
+    mount: str, folder: Path, files: list[Path], cache: Path, rounds: int, root: Path
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The probe of the mount ``folder`` lies on, then its load and hydrate cases."""
+    probe = probe_mount(folder / files[0].name, cache, files)
+    print(f"  {mount}: probe chose {probe['chosen']} ({probe})")
+    cases = []
+    local = root / "local"
+    for job, command in (("load", load_of(folder)), ("hydrate", hydrate_of(folder, local))):
+        case = run_case(f"{mount}, {job}", command, files, cache, rounds, root / "empty")
+        cases.append(case)
+    return {"where": mount, **probe}, cases
+
+
+def measure(size: int, rounds: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """A model of ``size`` bytes on local disk and on the FUSE mirror: each mount's probe,
+    and every case."""
     from loaderplug.testing.volume import VolumeProfile, mounted
 
     profile = VolumeProfile(
@@ -135,31 +165,17 @@ def main() -> None:
         model = root / "m" / "model"
         files = write_scale_model(model, size, shards=4)
         drop_cache(files)
-        local = root / "local"
-
-        def load_of(folder: Path) -> Any:
-            return lambda: ["load", str(folder)]
-
-        def hydrate_of(folder: Path) -> Any:
-            def command() -> list[str]:
-                shutil.rmtree(local, ignore_errors=True)
-                return ["hydrate", "--from", str(folder), "--to", str(local)]
-
-            return command
-
         with mounted(model.parent, root / "mnt", profile) as volume:
             on_mount = volume.mountpoint / model.name
             for mount, folder in (("local disk (ext4)", model), ("FUSE mirror", on_mount)):
                 cache = root / f"cache-{len(probes)}"
-                probe = probe_mount(folder / files[0].name, cache, files)
-                probes.append({"where": mount, **probe})
-                print(f"  {mount}: probe chose {probe['chosen']} ({probe})")
-                for job, command in (("load", load_of(folder)), ("hydrate", hydrate_of(folder))):
-                    case = run_case(
-                        f"{mount}, {job}", command, files, cache, rounds, root / "empty"
-                    )
-                    cases.append(case)
-    took = time.perf_counter() - started
+                probe, mount_cases = measure_mount(mount, folder, files, cache, rounds, root)
+                probes.append(probe)
+                cases += mount_cases
+    return probes, cases
+
+
+def probes_table(probes: list[dict[str, Any]]) -> list[str]:
     lines = [
         "The probe, once per mount, cold (what a mount's first job pays before it reads):\n",
         "| mount | probe chose | direct MiB/s | buffered MiB/s | probe s | probe bytes |",
@@ -170,8 +186,11 @@ def main() -> None:
             f"| {p['where']} | {p['chosen']} | {p['direct_mib_s']:.0f} | "
             f"{p['buffered_mib_s']:.0f} | {p['probe_s']:.2f} | {p['probe_bytes'] / MiB:.0f} MiB |"
         )
-    lines += [
-        "",
+    return lines
+
+
+def cases_table(cases: list[dict[str, Any]], rounds: int) -> list[str]:
+    lines = [
         f"Each job cold, the median of {rounds} alternating rounds (job seconds from its "
         f"report); target: measured >= {TARGET} x the faster forced mode's speed.\n",
         "| case | direct s | buffered s | measured s | measured x faster forced | met | "
@@ -186,6 +205,18 @@ def main() -> None:
             f"{c['measured_vs_faster']:.2f} | {met} | {c['first_job_s']:.2f} | "
             f"{c['first_vs_faster']:.2f} |"
         )
+    return lines
+
+
+def main() -> None:
+    compile_loaderplug()
+    args = parse_args()
+    size = GiB if args.quick else 2 * GiB
+    rounds = 2 if args.quick else 5
+    started = time.perf_counter()
+    probes, cases = measure(size, rounds)
+    took = time.perf_counter() - started
+    lines = [*probes_table(probes), "", *cases_table(cases, rounds)]
     header = (
         "# The IO policy measured per mount\n\n"
         f"Command: `python benchmarks/iopolicy_bench.py{' --quick' if args.quick else ''}`; "

@@ -38,6 +38,7 @@ from loaderplug.testing.volume import mounted
 from loaderplug.units import GiB, MiB
 
 HERE = Path(__file__).resolve().parent
+NAMES = ["runpod + safetensors", "loaderplug hydrate", "loaderplug one pass"]
 
 
 def child(name: str, mirror: str, local: str, mnt: str) -> dict[str, float]:
@@ -72,8 +73,7 @@ def child(name: str, mirror: str, local: str, mnt: str) -> dict[str, float]:
     return {"total_s": time.perf_counter() - started, "first_s": first or 0.0}
 
 
-def main() -> None:
-    compile_loaderplug()
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--rounds", type=int, default=3)
@@ -85,60 +85,79 @@ def main() -> None:
     )
     parser.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, default=HERE / "results")
-    args = parser.parse_args()
-    if args.child:
-        print(json.dumps(child(*args.child)))
-        return
+    return parser.parse_args()
+
+
+def lay_out_mirror(local: Path, backing: Path, size: int, tensors_per_shard: int) -> None:
+    """Write the model to ``local`` and let runpod's own sync lay out its mirror of it,
+    straight to the volume's backing folder."""
     from runpod.serverless.utils.rp_volume_cache import VolumeCache
 
-    size = 256 * MiB if args.quick else GiB
-    rounds = 1 if args.quick else args.rounds
-    names = ["runpod + safetensors", "loaderplug hydrate", "loaderplug one pass"]
-    results: dict[str, list[dict[str, float]]] = {n: [] for n in names}
+    write_model(local, size, 4, tensors_per_shard=tensors_per_shard)
+    backing.mkdir()
+    VolumeCache(dirs=[local], namespace="bench", volume_path=backing, best_effort=False).sync(
+        background=False
+    )
+
+
+def run_contender(name: str, mirror: Path, local: Path, mnt: Path) -> dict[str, float]:
+    """One contender's child, ``local`` emptied first: the figures it printed."""
+    shutil.rmtree(local, ignore_errors=True)
+    local.mkdir(parents=True)
+    subprocess.run(["sync"], check=True)
+    done = subprocess.run(
+        [
+            sys.executable,
+            __file__,
+            "--child",
+            name,
+            str(mirror),
+            str(local),
+            str(mnt),
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    figures: dict[str, float] = json.loads(done.stdout.strip().splitlines()[-1])
+    return figures
+
+
+def alternate(mirror: Path, local: Path, mnt: Path, rounds: int) -> dict[str, list[dict]]:
+    """Every contender once a round, the order turned by one each round."""
+    results: dict[str, list[dict[str, float]]] = {n: [] for n in NAMES}
+    for round_ in range(rounds):
+        for name in NAMES[round_ % 3 :] + NAMES[: round_ % 3]:
+            figures = run_contender(name, mirror, local, mnt)
+            results[name].append(figures)
+            print(f"  round {round_ + 1} {name:22s} {figures['total_s']:.2f} s", flush=True)
+    return results
+
+
+def measure(size: int, rounds: int, tensors_per_shard: int) -> dict[str, list[dict]]:
+    """The model behind the throttled volume's mirror, every contender on it."""
     with (
         tempfile.TemporaryDirectory(prefix="onepass-", dir="/var/tmp") as tmp,
         tempfile.TemporaryDirectory(prefix="onepass-", dir=ram_dir()) as ram,
     ):
         local = Path(tmp) / "local" / "model"
-        write_model(local, size, 4, tensors_per_shard=args.tensors_per_shard)
         backing = Path(ram) / "backing"
-        backing.mkdir()
-        VolumeCache(dirs=[local], namespace="bench", volume_path=backing, best_effort=False).sync(
-            background=False
-        )
+        lay_out_mirror(local, backing, size, tensors_per_shard)
         mnt = Path(tmp) / "mnt"
         mnt.mkdir()
         with mounted(backing, mnt, PROFILE):
             mirror = mnt / ".cache" / "bench" / "big" / str(local).lstrip("/")
-            for round_ in range(rounds):
-                for name in names[round_ % 3 :] + names[: round_ % 3]:
-                    shutil.rmtree(local, ignore_errors=True)
-                    local.mkdir(parents=True)
-                    subprocess.run(["sync"], check=True)
-                    done = subprocess.run(
-                        [
-                            sys.executable,
-                            __file__,
-                            "--child",
-                            name,
-                            str(mirror),
-                            str(local),
-                            str(mnt),
-                        ],
-                        capture_output=True,
-                        text=True,
-                        check=True,
-                    )
-                    figures = json.loads(done.stdout.strip().splitlines()[-1])
-                    results[name].append(figures)
-                    print(f"  round {round_ + 1} {name:22s} {figures['total_s']:.2f} s", flush=True)
-    med = {n: statistics.median(r["total_s"] for r in results[n]) for n in names}
+            return alternate(mirror, local, mnt, rounds)
+
+
+def table(results: dict[str, list[dict]]) -> str:
+    med = {n: statistics.median(r["total_s"] for r in results[n]) for n in NAMES}
     lines = [
         "| path to tensors | total s (median) | min-max | first tensor s | x runpod+safetensors "
         "| x loaderplug hydrate |",
         "|---|---|---|---|---|---|",
     ]
-    for n in names:
+    for n in NAMES:
         totals = [r["total_s"] for r in results[n]]
         first = statistics.median(r["first_s"] for r in results[n])
         lines.append(
@@ -146,7 +165,18 @@ def main() -> None:
             f"{first:.2f} | {med[n] / med['runpod + safetensors']:.2f} | "
             f"{med[n] / med['loaderplug hydrate']:.2f} |"
         )
-    text = "\n".join(lines)
+    return "\n".join(lines)
+
+
+def main() -> None:
+    compile_loaderplug()
+    args = parse_args()
+    if args.child:
+        print(json.dumps(child(*args.child)))
+        return
+    size = 256 * MiB if args.quick else GiB
+    rounds = 1 if args.quick else args.rounds
+    text = table(measure(size, rounds, args.tensors_per_shard))
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "onepass.md").write_text(
         f"# One pass from the volume\n\n{size >> 20} MiB, 4 shards of "

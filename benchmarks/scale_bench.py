@@ -81,43 +81,25 @@ def write_scale_model(folder: Path, total: int, shards: int = 8) -> list[Path]:
 # -- children ---------------------------------------------------------------------------
 
 
-def child(args: argparse.Namespace) -> None:
-    """One process (one rank) of a case: load with ``args.contender``, drop each tensor,
-    print the figures as JSON."""
-    import torch  # imported before the clock: nobody's load time
+def join_group(args: argparse.Namespace) -> Any:
+    """The gloo group of ``args.world`` ranks that this child is ``args.rank`` of; None
+    for a world of one."""
+    if args.world <= 1:
+        return None
+    import torch.distributed as dist
 
-    files = [str(f) for f in sorted(Path(args.model).glob("*.safetensors"))]
-    group = None
-    if args.world > 1:
-        import torch.distributed as dist
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{args.init}",
+        rank=args.rank,
+        world_size=args.world,
+        timeout=datetime.timedelta(seconds=600),
+    )
+    return dist.group.WORLD
 
-        dist.init_process_group(
-            "gloo",
-            init_method=f"file://{args.init}",
-            rank=args.rank,
-            world_size=args.world,
-            timeout=datetime.timedelta(seconds=600),
-        )
-        group = dist.group.WORLD
-    import resource
 
-    # The process's peak before the load (torch, the group): the load's own memory is
-    # what the peak grows past it.
-    rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    collect_garbage_before_the_clock()
-    started = time.perf_counter()
-    cpu_started = time.process_time()  # every thread's CPU, the load's alone
-    first: float | None = None
-    count = 0
-
-    def used(tensor: Any) -> None:
-        nonlocal first, count
-        if first is None:
-            first = time.perf_counter() - started
-        count += 1
-        if tensor.numel():
-            tensor.reshape(-1).view(torch.uint8)[::4096].sum()  # touch every page
-
+def read_all(args: argparse.Namespace, files: list[str], group: Any, used: Any) -> None:
+    """Hand every tensor of ``files`` to ``used``, loaded with ``args.contender``."""
     if args.contender.startswith("loaderplug"):
         from loaderplug.tensors.reader import iter_tensors
 
@@ -144,6 +126,35 @@ def child(args: argparse.Namespace) -> None:
             used(buffer.get_tensor(key))
         buffer.close()
         loader.close()
+
+
+def child(args: argparse.Namespace) -> None:
+    """One process (one rank) of a case: load with ``args.contender``, drop each tensor,
+    print the figures as JSON."""
+    import torch  # imported before the clock: nobody's load time
+
+    files = [str(f) for f in sorted(Path(args.model).glob("*.safetensors"))]
+    group = join_group(args)
+    import resource
+
+    # The process's peak before the load (torch, the group): the load's own memory is
+    # what the peak grows past it.
+    rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    collect_garbage_before_the_clock()
+    started = time.perf_counter()
+    cpu_started = time.process_time()  # every thread's CPU, the load's alone
+    first: float | None = None
+    count = 0
+
+    def used(tensor: Any) -> None:
+        nonlocal first, count
+        if first is None:
+            first = time.perf_counter() - started
+        count += 1
+        if tensor.numel():
+            tensor.reshape(-1).view(torch.uint8)[::4096].sum()  # touch every page
+
+    read_all(args, files, group, used)
     seconds = time.perf_counter() - started
     cpu = time.process_time() - cpu_started
     figures = {"seconds": seconds, "first": first, "count": count, "cpu": cpu}
@@ -249,47 +260,47 @@ def memory_table(root: Path, sizes: list[int]) -> tuple[str, list[dict[str, Any]
     return "\n".join(lines), rows
 
 
-def local_ranks_table(model: Path, worlds: list[int]) -> tuple[str, list[dict[str, Any]]]:
-    files = sorted(model.glob("*.safetensors"))
-    model_bytes = sum(f.stat().st_size for f in files)
-    stat = block_device_of(files[0])
-    contenders = {
-        "loaderplug (group, page cache)": ("loaderplug", {"LOADERPLUG_RANK_SHARING": "pagecache"}),
-        "loaderplug (group, broadcast)": ("loaderplug", {"LOADERPLUG_RANK_SHARING": "broadcast"}),
-        "loaderplug (group, stream)": ("loaderplug", {"LOADERPLUG_RANK_SHARING": "stream"}),
-        "loaderplug (each rank alone)": ("loaderplug", {"LOADERPLUG_DISTRIBUTED": "off"}),
-        "safe_open per rank": ("safe_open", {}),
-        "fastsafetensors (gloo group)": ("fastsafetensors", {}),
+LOCAL_CONTENDERS = {
+    "loaderplug (group, page cache)": ("loaderplug", {"LOADERPLUG_RANK_SHARING": "pagecache"}),
+    "loaderplug (group, broadcast)": ("loaderplug", {"LOADERPLUG_RANK_SHARING": "broadcast"}),
+    "loaderplug (group, stream)": ("loaderplug", {"LOADERPLUG_RANK_SHARING": "stream"}),
+    "loaderplug (each rank alone)": ("loaderplug", {"LOADERPLUG_DISTRIBUTED": "off"}),
+    "safe_open per rank": ("safe_open", {}),
+    "fastsafetensors (gloo group)": ("fastsafetensors", {}),
+}
+
+
+def local_ranks_row(
+    label: str, model: Path, world: int, files: list[Path], model_bytes: int, stat: Path
+) -> dict[str, Any]:
+    """One case of the local-disk ranks, cold: its row (``failed`` if a rank failed)."""
+    contender, env = LOCAL_CONTENDERS[label]
+    drop_cache(files)
+    before = sectors_read(stat)
+    started = time.perf_counter()
+    try:
+        ranks = run_ranks(contender, model, world, env)
+    except SystemExit as exc:
+        print(f"  {label} x{world}: failed ({str(exc)[:200]})")
+        return {"world": world, "contender": label, "failed": str(exc)[-500:]}
+    wall = time.perf_counter() - started
+    device = sectors_read(stat) - before
+    print(f"  local x{world} {label:30s} {wall:6.2f} s {device / model_bytes:5.2f}x model")
+    return {
+        "world": world,
+        "contender": label,
+        "wall": wall,
+        "load": max(r["seconds"] for r in ranks),
+        "device_bytes": device,
+        "rss": max(r["rss"] for r in ranks),
+        "rss_growth": max(r["rss"] - r["rss_before"] for r in ranks),
+        # CPU of every rank together, per GiB of the model: what carries to a
+        # machine with more cores.
+        "cpu_per_gib": sum(r.get("cpu", 0.0) for r in ranks) / (model_bytes / GiB),
     }
-    rows = []
-    for world in worlds:
-        for label, (contender, env) in contenders.items():
-            drop_cache(files)
-            before = sectors_read(stat)
-            started = time.perf_counter()
-            try:
-                ranks = run_ranks(contender, model, world, env)
-            except SystemExit as exc:
-                print(f"  {label} x{world}: failed ({str(exc)[:200]})")
-                rows.append({"world": world, "contender": label, "failed": str(exc)[-500:]})
-                continue
-            wall = time.perf_counter() - started
-            device = sectors_read(stat) - before
-            rows.append(
-                {
-                    "world": world,
-                    "contender": label,
-                    "wall": wall,
-                    "load": max(r["seconds"] for r in ranks),
-                    "device_bytes": device,
-                    "rss": max(r["rss"] for r in ranks),
-                    "rss_growth": max(r["rss"] - r["rss_before"] for r in ranks),
-                    # CPU of every rank together, per GiB of the model: what carries to a
-                    # machine with more cores.
-                    "cpu_per_gib": sum(r.get("cpu", 0.0) for r in ranks) / (model_bytes / GiB),
-                }
-            )
-            print(f"  local x{world} {label:30s} {wall:6.2f} s {device / model_bytes:5.2f}x model")
+
+
+def local_ranks_lines(rows: list[dict[str, Any]], worlds: list[int], model_bytes: int) -> str:
     lines = [
         f"The {model_bytes / GiB:.1f} GiB model, cold, N processes each until it has had "
         "every tensor. Wall: launch to the last rank's last tensor (start-up included); "
@@ -318,60 +329,67 @@ def local_ranks_table(model: Path, worlds: list[int]) -> tuple[str, list[dict[st
                 f"{r['device_bytes'] / model_bytes:.2f} | {rss_cell(r, bound)} | "
                 f"{r['cpu_per_gib']:.2f} |"
             )
-    return "\n".join(lines), rows
+    return "\n".join(lines)
 
 
-def mirror_ranks_table(
-    model: Path, worlds: list[int], root: Path
-) -> tuple[str, list[dict[str, Any]]]:
-    from loaderplug.testing.volume import VolumeProfile, mounted
-
+def local_ranks_table(model: Path, worlds: list[int]) -> tuple[str, list[dict[str, Any]]]:
     files = sorted(model.glob("*.safetensors"))
     model_bytes = sum(f.stat().st_size for f in files)
-    mount_rate = 640 * MiB
-    profile = VolumeProfile(
-        per_stream_bytes_per_s=40 * MiB, mount_bytes_per_s=mount_rate, latency_s=0.002
-    )
-    floor = model_bytes / mount_rate
-    rows = []
-    with mounted(model.parent, root / "mnt", profile) as vol:
-        on_mount = vol.mountpoint / model.name
-        local = root / "local"
-        shutil.rmtree(local, ignore_errors=True)
-        vol.reset_stats()
-        hydrate_wall, _rss, out = run_timed(
-            [sys.executable, "-m", "loaderplug", "hydrate", "--from", str(on_mount),
-             "--to", str(local), "--json"],
-            {"LOADERPLUG_PROGRESS": "0"},
-        )  # fmt: skip
-        # The job's own time, as the ranks' load time is theirs: no interpreter start-up.
-        hydrate_s = json.loads(out)["seconds"]
-        print(f"  mirror: plain hydrate {hydrate_s:.2f} s (floor {floor:.2f} s)")
-        modes = ("pagecache", "broadcast", "stream")
-        for world, sharing in ((w, m) for w in worlds for m in modes):
-            if world == 1 and sharing != "pagecache":
-                continue  # one rank shares nothing
-            shutil.rmtree(local, ignore_errors=True)
-            vol.reset_stats()
-            started = time.perf_counter()
-            env = {"LOADERPLUG_RANK_SHARING": sharing}
-            ranks = run_ranks("loaderplug", on_mount, world, env, local=local)
-            wall = time.perf_counter() - started
-            served = vol.stats()["bytes_read"]
-            rows.append(
-                {
-                    "world": world,
-                    "sharing": sharing if world > 1 else "-",
-                    "wall": wall,
-                    "load": max(r["seconds"] for r in ranks),
-                    "first": max(r["first"] for r in ranks),
-                    "volume_bytes": served,
-                    "rss": max(r["rss"] for r in ranks),
-                    "rss_growth": max(r["rss"] - r["rss_before"] for r in ranks),
-                    "cpu_per_gib": sum(r.get("cpu", 0.0) for r in ranks) / (model_bytes / GiB),
-                }
-            )
-            print(f"  mirror x{world}: {wall:.2f} s, volume {served / model_bytes:.2f}x model")
+    stat = block_device_of(files[0])
+    rows = [
+        local_ranks_row(label, model, world, stat) for world in worlds for label in LOCAL_CONTENDERS
+    ]
+    return local_ranks_lines(rows, worlds, model_bytes), rows
+
+
+def plain_hydrate(vol: Any, on_mount: Path, local: Path) -> tuple[float, float]:
+    """A plain ``loaderplug hydrate`` of the model from the mount: the process's wall
+    seconds and the job's own."""
+    shutil.rmtree(local, ignore_errors=True)
+    vol.reset_stats()
+    hydrate_wall, _rss, out = run_timed(
+        [sys.executable, "-m", "loaderplug", "hydrate", "--from", str(on_mount),
+         "--to", str(local), "--json"],
+        {"LOADERPLUG_PROGRESS": "0"},
+    )  # fmt: skip
+    # The job's own time, as the ranks' load time is theirs: no interpreter start-up.
+    hydrate_s: float = json.loads(out)["seconds"]
+    return hydrate_wall, hydrate_s
+
+
+def mirror_ranks_row(
+    vol: Any, on_mount: Path, local: Path, world: int, sharing: str, model_bytes: int
+) -> dict[str, Any]:
+    """``world`` ranks sharing the load ``sharing``'s way, one pass from the mount into
+    an empty ``local``: their row."""
+    shutil.rmtree(local, ignore_errors=True)
+    vol.reset_stats()
+    started = time.perf_counter()
+    env = {"LOADERPLUG_RANK_SHARING": sharing}
+    ranks = run_ranks("loaderplug", on_mount, world, env, local=local)
+    wall = time.perf_counter() - started
+    served = vol.stats()["bytes_read"]
+    print(f"  mirror x{world}: {wall:.2f} s, volume {served / model_bytes:.2f}x model")
+    return {
+        "world": world,
+        "sharing": sharing if world > 1 else "-",
+        "wall": wall,
+        "load": max(r["seconds"] for r in ranks),
+        "first": max(r["first"] for r in ranks),
+        "volume_bytes": served,
+        "rss": max(r["rss"] for r in ranks),
+        "rss_growth": max(r["rss"] - r["rss_before"] for r in ranks),
+        "cpu_per_gib": sum(r.get("cpu", 0.0) for r in ranks) / (model_bytes / GiB),
+    }
+
+
+def mirror_ranks_lines(
+    rows: list[dict[str, Any]],
+    model_bytes: int,
+    floor: float,
+    hydrate_s: float,
+    hydrate_wall: float,
+) -> str:
     lines = [
         f"The {model_bytes / GiB:.1f} GiB model on the FUSE test volume (40 MiB/s per stream, "
         f"640 MiB/s for the mount): N ranks, one pass into an empty local copy. The volume's "
@@ -394,7 +412,34 @@ def mirror_ranks_table(
             f"{rss_cell(r, rss_bound(r['world'], shared=True))} | "
             f"{r['cpu_per_gib']:.2f} |"
         )
-    return "\n".join(lines), [*rows, {"hydrate_s": hydrate_s, "floor_s": floor}]
+    return "\n".join(lines)
+
+
+def mirror_ranks_table(
+    model: Path, worlds: list[int], root: Path
+) -> tuple[str, list[dict[str, Any]]]:
+    from loaderplug.testing.volume import VolumeProfile, mounted
+
+    files = sorted(model.glob("*.safetensors"))
+    model_bytes = sum(f.stat().st_size for f in files)
+    mount_rate = 640 * MiB
+    profile = VolumeProfile(
+        per_stream_bytes_per_s=40 * MiB, mount_bytes_per_s=mount_rate, latency_s=0.002
+    )
+    floor = model_bytes / mount_rate
+    rows = []
+    with mounted(model.parent, root / "mnt", profile) as vol:
+        on_mount = vol.mountpoint / model.name
+        local = root / "local"
+        hydrate_wall, hydrate_s = plain_hydrate(vol, on_mount, local)
+        print(f"  mirror: plain hydrate {hydrate_s:.2f} s (floor {floor:.2f} s)")
+        modes = ("pagecache", "broadcast", "stream")
+        for world, sharing in ((w, m) for w in worlds for m in modes):
+            if world == 1 and sharing != "pagecache":
+                continue  # one rank shares nothing
+            rows.append(mirror_ranks_row(vol, on_mount, local, world, sharing, model_bytes))
+    text = mirror_ranks_lines(rows, model_bytes, floor, hydrate_s, hydrate_wall)
+    return text, [*rows, {"hydrate_s": hydrate_s, "floor_s": floor}]
 
 
 def main() -> None:

@@ -62,10 +62,13 @@ STEPS = {
     "  measured policy": ("storage/io_probe.py", "measured_policy"),
     "header read and parse": ("tensors/delivery/choice.py", "_read_header"),
     "  header parse": ("tensors/format/header.py", "parse_header"),
-    "map or read decision": ("tensors/delivery/choice.py", "_maps"),
+    "map or read decision": ("tensors/delivery/choice.py", "_in_memory"),
     "tensor sink or mapping made": ("tensors/delivery/tensor_sinks.py", "__init__"),
     "engine set up": ("jobs/runner.py", "_engine_for"),
-    "tensors from the engine, waits included": ("tensors/delivery/choice.py", "_next_from_engine"),
+    "tensors from the engine, waits included": (
+        "tensors/delivery/hand_over.py",
+        "_next_from_engine",
+    ),
     "thread start": ("threading.py", "start"),
 }
 

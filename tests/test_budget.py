@@ -129,7 +129,8 @@ def _load_slowly(paths: list[Path], budget: str) -> tuple[int, int]:
     slower than the reads: the tensors it got and the most the budget held."""
     from loaderplug.jobs.runner import Runner
     from loaderplug.settings import from_env
-    from loaderplug.tensors.delivery.choice import TensorDelivery, TensorsOf
+    from loaderplug.tensors.delivery.choice import TensorDelivery
+    from loaderplug.tensors.delivery.hand_over import TensorsOf
     from loaderplug.tensors.delivery.plan import load_plan
     from loaderplug.tensors.device.path import DevicePath
 
@@ -142,7 +143,7 @@ def _load_slowly(paths: list[Path], budget: str) -> tuple[int, int]:
         span_bytes="4M",
         readers=8,
         direct_io="off",
-        owned="on",
+        owned="own",
         progress=False,
     )
     plan = load_plan(paths, DevicePath("cpu", None), settings)

@@ -95,17 +95,6 @@ def test_second_run_says_nothing_to_do(model: Path, tmp_path: Path) -> None:
     assert "nothing to do" in done.stdout and "6 skipped" in done.stdout
 
 
-@pytest.mark.slow("runs the demo: a FUSE test volume and a CLI process")
-def test_demo_runs_and_verifies_its_copy() -> None:
-    done = run("demo", "--size-mib", "16")
-    assert done.returncode == 0, done.stderr
-    assert "restored files byte-identical to the mirror: yes" in done.stdout
-    assert "nothing to do" in done.stdout
-    # The one pass: tensors as they land, the second copy from the same reads.
-    assert "the first after" in done.stdout and "4 files restored, 0 failed" in done.stdout
-    assert "one-pass copy byte-identical to the mirror: yes" in done.stdout
-
-
 def run_on_a_terminal(*args: str, env: dict[str, str]) -> str:
     """Run the CLI with stderr on a pseudo-terminal; returns what the terminal showed."""
     controller, terminal = pty.openpty()
@@ -204,7 +193,7 @@ def test_load_hydrates_and_loads_in_one_pass(model: Path, tmp_path: Path) -> Non
 def test_load_says_what_it_read_and_what_it_only_mapped(model: Path) -> None:
     """A warm local file (a local copy of loaderplug's own, or the user's) is handed
     over as a mapping: reported as mapped, with its bytes, never as bytes read at some
-    speed; one the load must own (LOADERPLUG_OWNED=on), or a cold one read direct, is
+    speed; one the load must own (LOADERPLUG_OWNED=own), or a cold one read direct, is
     read, and reported as read."""
     pytest.importorskip("torch")
     from tests.conftest import drop_from_page_cache
@@ -224,7 +213,7 @@ def test_load_says_what_it_read_and_what_it_only_mapped(model: Path) -> None:
         run("load", *map(str, shards), "--json", env={"LOADERPLUG_DIRECT_IO": "off"}).stdout
     )
     assert (users["bytes_read"], users["bytes_mapped"]) == (0, size)
-    owned = {"LOADERPLUG_DIRECT_IO": "off", "LOADERPLUG_OWNED": "on"}
+    owned = {"LOADERPLUG_DIRECT_IO": "off", "LOADERPLUG_OWNED": "own"}
     users = json.loads(run("load", *map(str, shards), "--json", env=owned).stdout)
     assert (users["bytes_read"], users["bytes_mapped"]) == (size, 0)
     for shard in shards:

@@ -15,7 +15,9 @@ from loaderplug.testing.model import write_model
 from loaderplug.units import MiB
 from tests.conftest import FAST
 
-pytestmark = [pytest.mark.crash, pytest.mark.slow("kills hydrates at many points, a process each")]
+pytestmark = pytest.mark.crash
+# The soak runs in this process in under a second: the edit loop keeps it.
+KILLS = pytest.mark.slow("kills jobs at many points, a process each")
 
 TRIALS = int(os.environ.get("LOADERPLUG_CRASH_TRIALS", "3"))
 
@@ -32,6 +34,7 @@ def assert_trials(trials: list[object]) -> None:
         assert trial.published_ok and trial.rerun_ok, trial  # type: ignore[attr-defined]
 
 
+@KILLS
 def test_hydrate_killed_at_random_points(tmp_path: Path) -> None:
     _, new = two_generations(tmp_path)
     mirror = tmp_path / "mirror"
@@ -45,6 +48,7 @@ def test_hydrate_killed_at_random_points(tmp_path: Path) -> None:
     assert_trials(trials)
 
 
+@KILLS
 @pytest.mark.parametrize("over_an_older_one", [False, True])
 def test_sync_killed_at_random_points(tmp_path: Path, over_an_older_one: bool) -> None:
     old, new = two_generations(tmp_path)
@@ -60,6 +64,7 @@ def test_sync_killed_at_random_points(tmp_path: Path, over_an_older_one: bool) -
     assert_trials(trials)
 
 
+@KILLS
 def test_one_pass_killed_at_random_points(tmp_path: Path) -> None:
     pytest.importorskip("torch")
     _, new = two_generations(tmp_path)

@@ -79,7 +79,7 @@ def test_owned_files_read_without_the_engine_free_each_dropped_tensor_at_once(
 ) -> None:
     for path in model:
         path.read_bytes()  # in the page cache, owned: read by the process's readers
-    load = iter_tensors(model, owned="on", bytes_in_flight="16M", progress=False)
+    load = iter_tensors(model, owned="own", bytes_in_flight="16M", progress=False)
     taken, grown = drop_each(load)
     assert taken == SHARDS * PER_SHARD
     assert grown < SHARDS * PER_SHARD * TENSOR_BYTES // 2, grown
@@ -107,7 +107,7 @@ def test_through_the_page_cache_each_tensor_is_a_mapping_of_the_file(
     waits for it."""
     from loaderplug.jobs.runner import Runner
     from loaderplug.settings import from_env
-    from loaderplug.tensors.delivery.choice import TensorsOf
+    from loaderplug.tensors.delivery.hand_over import TensorsOf
     from loaderplug.tensors.delivery.plan import load_plan
     from loaderplug.tensors.device.path import DevicePath
 

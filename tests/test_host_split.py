@@ -152,11 +152,22 @@ def test_a_local_folder_held_by_another_job_is_not_split_and_waited_for(
     per_rank = two_hosts(tmp_path)
     held = Lock(folder_lock(Path(per_rank[1]["RANK_LOCAL_DIR"])), 5)
     held.acquire()
-    releaser = threading.Timer(8.0, held.release)
+    # Let go once the other host published its whole copy: the hosts decided before it
+    # loaded, so the lock was held when they looked, however long the ranks took to start.
+    published = [Path(per_rank[0]["RANK_LOCAL_DIR"]) / f.name for f in model]
+    ended = threading.Event()
+
+    def release() -> None:
+        while not ended.is_set() and not all(p.exists() for p in published):
+            ended.wait(0.1)
+        held.release()
+
+    releaser = threading.Thread(target=release)
     releaser.start()
     try:
         outs, _ = run_ranks(tmp_path, model, 2, {"LOADERPLUG_HOST_SPLIT": "on"}, per_rank)
     finally:
+        ended.set()
         releaser.join()
     for out in outs:
         assert out.get("error") is None, out

@@ -48,7 +48,7 @@ def big_model(tmp_path: Path) -> list[Path]:
     return sorted(write_model(tmp_path / "big", 24 * MiB, shards=2, tensors_per_shard=6))
 
 
-@pytest.mark.parametrize("owned", ["auto", "on", "off"])
+@pytest.mark.parametrize("owned", ["auto", "own", "map"])
 @pytest.mark.parametrize("cache", ["warm", "cold"])
 def test_tensors_equal_safetensors_in_every_mode(
     big_model: list[Path], shards: list[Path], owned: str, cache: str
@@ -109,7 +109,7 @@ def test_auto_reads_a_cold_local_file_the_policy_reads_direct_into_memory_of_its
 def test_owned_on_reads_a_warm_local_file_into_memory_of_its_own(
     big_model: list[Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setenv("LOADERPLUG_OWNED", "on")
+    monkeypatch.setenv("LOADERPLUG_OWNED", "own")
     warm(big_model)
     got, modes = loaded(big_model)
     assert not any(mode.startswith("mapped") for mode in modes.values()), modes
@@ -120,7 +120,7 @@ def test_owned_on_reads_a_warm_local_file_into_memory_of_its_own(
 
 def test_owned_on_reads_an_own_local_copy_into_memory_of_its_own(big_model: list[Path]) -> None:
     warm(big_model)
-    got, modes = loaded(big_model, owned="on", local_copies=str(big_model[0].parent))
+    got, modes = loaded(big_model, owned="own", local_copies=str(big_model[0].parent))
     assert not any(mode.startswith("mapped") for mode in modes.values()), modes
     assert all(mapped_from(t) is None for t in got.values())
 
@@ -144,7 +144,7 @@ def on_volume(tmp_path: Path) -> tuple[Path, list[Path]]:
 
 
 @pytest.mark.fuse
-@pytest.mark.parametrize(("owned", "maps"), [("auto", False), ("on", False), ("off", True)])
+@pytest.mark.parametrize(("owned", "maps"), [("auto", False), ("own", False), ("map", True)])
 def test_a_file_on_a_fuse_volume_is_owned_unless_owned_is_off(
     tmp_path: Path, owned: str, maps: bool
 ) -> None:
@@ -189,7 +189,7 @@ def test_owned_warm_files_are_read_by_the_same_few_readers_load_after_load(
     warm(big_model)
     threads_before: set[str] | None = None
     for _ in range(3):
-        got, _modes = loaded(big_model, owned="on")
+        got, _modes = loaded(big_model, owned="own")
         assert_equal_to_safetensors(got, big_model)
         if threads_before is None:
             threads_before = {t.name for t in threading.enumerate()}

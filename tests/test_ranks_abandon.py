@@ -35,7 +35,8 @@ RANK = textwrap.dedent(
     from loaderplug.settings import from_env
     from loaderplug.tensors.ranks.peers import PeerWatch
     from loaderplug.tensors.ranks.world import share_for, world_of
-    from loaderplug.tensors.ranks.steps import Steps, tear_down
+    from loaderplug.tensors.ranks.steps import Steps
+    from loaderplug.tensors.ranks.teardown import tear_down
 
     init, rank = sys.argv[1], int(sys.argv[2])
     timeout = datetime.timedelta(seconds=int(os.environ["TIMEOUT_S"]))

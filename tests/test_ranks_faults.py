@@ -17,7 +17,8 @@ import pytest
 from loaderplug.errors import DistributedError, FileError
 from loaderplug.settings import from_env
 from loaderplug.tensors.ranks.peers import PeerWatch
-from loaderplug.tensors.ranks.steps import Steps, tear_down
+from loaderplug.tensors.ranks.steps import Steps
+from loaderplug.tensors.ranks.teardown import tear_down
 from loaderplug.tensors.ranks.world import Share, host_id
 from loaderplug.testing.model import write_model
 from loaderplug.testing.volume import VolumeProfile, mounted

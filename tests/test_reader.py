@@ -138,11 +138,11 @@ def test_a_corrupt_header_is_a_format_error(tmp_path: Path) -> None:
 def test_an_owned_load_reads_a_users_file_in_the_page_cache_never_maps_it(
     shards: list[Path],
 ) -> None:
-    """With LOADERPLUG_OWNED=on no one can shrink a file under its tensors (a SIGBUS
+    """With LOADERPLUG_OWNED=own no one can shrink a file under its tensors (a SIGBUS
     then): they are read into the load's own memory, with no engine to hand them over."""
     for p in shards:
         p.read_bytes()  # warm
-    load = iter_tensors(shards, progress=False, owned="on")
+    load = iter_tensors(shards, progress=False, owned="own")
     got = dict(load)
     assert all(m.startswith("read in the consumer's thread") for m in load.io_modes.values())
     for name, tensor in got.items():

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import warnings
+from collections.abc import Callable
+
 import pytest
 
 from loaderplug.engine.sizing import chunk_for_source, default_sizing, workers_for_chunk
 from loaderplug.errors import SettingsError
-from loaderplug.settings import BY_FIELD, RENAMED, from_env
+from loaderplug.settings import BY_FIELD, RENAMED, Settings, from_env, settings_table
 from loaderplug.units import GiB, MiB
 
 
@@ -111,17 +114,48 @@ def test_bad_choice() -> None:
     )
 
 
-@pytest.mark.parametrize(("raw", "owned"), [("", "auto"), ("on", "on"), (" OFF ", "off")])
-def test_owned_is_auto_on_or_off(raw: str, owned: str) -> None:
-    assert from_env({"LOADERPLUG_OWNED": raw}).owned == owned
+@pytest.mark.parametrize(("raw", "owned"), [("", "auto"), ("own", "own"), (" MAP ", "map")])
+def test_owned_is_auto_own_or_map(raw: str, owned: str) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the new values are not deprecated
+        assert from_env({"LOADERPLUG_OWNED": raw}).owned == owned
 
 
 def test_a_bad_owned_names_the_choices() -> None:
     with pytest.raises(SettingsError) as info:
         from_env({"LOADERPLUG_OWNED": "always"})
     assert str(info.value) == (
-        "LOADERPLUG_OWNED='always' is invalid: expected one of auto, on, off"
+        "LOADERPLUG_OWNED='always' is invalid: expected one of auto, own, map"
     )
+
+
+# Each way a value is given: the environment, a keyword of from_env, Settings.replace.
+OWNED_GIVEN: dict[str, Callable[[str], Settings]] = {
+    "environment": lambda raw: from_env({"LOADERPLUG_OWNED": raw}),
+    "from_env": lambda raw: from_env({}, owned=raw),
+    "replace": lambda raw: from_env({}).replace(owned=raw),
+}
+
+
+@pytest.mark.parametrize("given", sorted(OWNED_GIVEN))
+@pytest.mark.parametrize(("raw", "old", "new"), [("on", "on", "own"), (" OFF ", "off", "map")])
+def test_an_old_owned_value_works_for_a_release_and_warns_once_naming_the_new_one(
+    given: str, raw: str, old: str, new: str
+) -> None:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert OWNED_GIVEN[given](raw).owned == new
+    assert [type(w.message) for w in caught] == [DeprecationWarning]
+    assert str(caught[0].message) == (
+        f"LOADERPLUG_OWNED={old} is now LOADERPLUG_OWNED={new} (the same behaviour); "
+        "the old value goes in the next release"
+    )
+    assert caught[0].filename == __file__  # the line that gave the old value
+
+
+def test_the_settings_table_names_the_old_owned_values() -> None:
+    row = next(line for line in settings_table().splitlines() if "`LOADERPLUG_OWNED`" in line)
+    assert "one of auto, own, map (`on` is now `own`, `off` is now `map`)" in row
 
 
 def test_unknown_variable_warns_with_the_closest_name() -> None:

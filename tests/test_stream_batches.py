@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from loaderplug.errors import LoaderplugError
-from loaderplug.tensors.delivery.choice import FileFinished, Idle, TensorReady
+from loaderplug.tensors.delivery.hand_over import FileFinished, Idle, TensorReady
 from loaderplug.tensors.ranks.batches import STREAM_BATCH, LandedBatches
 from loaderplug.types import FileResult
 

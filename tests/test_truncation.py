@@ -5,7 +5,7 @@ after someone truncated the file. loaderplug maps only files that stay put (its 
 published local copies, and a user's files on a local filesystem, as safetensors does;
 docs/guarantees.md); a file that can change under the load (on a network or FUSE
 volume, the mirror) is read into memory of the load's own, and so is every file with
-``LOADERPLUG_OWNED=on``. Each trial runs in a child process: a SIGBUS there is a return
+``LOADERPLUG_OWNED=own``. Each trial runs in a child process: a SIGBUS there is a return
 code of -7, not the end of the test run.
 """
 
@@ -129,9 +129,9 @@ def on_volume(tmp_path: Path) -> Iterator[Path]:
 @pytest.fixture(params=["disk, owned", "memory, owned", "volume, auto"])
 def user_folder(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[Path, str]:
     """A user's own folder of safetensors and the LOADERPLUG_OWNED its load runs with:
-    on the local disk or a tmpfs with ``on``, on the FUSE test volume with ``auto``."""
+    on the local disk or a tmpfs with ``own``, on the FUSE test volume with ``auto``."""
     where, owned = request.param.split(", ")
-    owned = "on" if owned == "owned" else owned
+    owned = "own" if owned == "owned" else owned
     if where == "disk":
         return model_in(tmp_path / "model"), owned
     if where == "volume":
@@ -183,7 +183,7 @@ def test_a_local_file_truncated_during_an_owned_load_fails_it_or_keeps_the_old_b
     tmp_path: Path,
 ) -> None:
     folder = model_in(tmp_path / "model", 48 * MiB)
-    assert_failed_clearly_or_kept(child(DURING, str(folder), owned="on"))
+    assert_failed_clearly_or_kept(child(DURING, str(folder), owned="own"))
 
 
 def assert_failed_clearly_or_kept(done: subprocess.CompletedProcess[str]) -> None:

@@ -38,11 +38,11 @@ PATHS: dict[str, dict[str, Any]] = {
     # Cold: mapped with its pages asked ahead, or read with O_DIRECT, as the policy says.
     "mapped cold": {"owned": "auto", "cold": True},
     # Every file read into memory of the load's own, by the process's readers.
-    "owned": {"owned": "on"},
+    "owned": {"owned": "own"},
     # Every file mapped, wherever it lives.
-    "mapped everywhere": {"owned": "off"},
+    "mapped everywhere": {"owned": "map"},
     # The range engine: direct reads, many spans a file.
-    "engine": {"owned": "on", "direct_io": "on", "span_bytes": "64K", "split_threshold_bytes": 0},
+    "engine": {"owned": "own", "direct_io": "on", "span_bytes": "64K", "split_threshold_bytes": 0},
     # Hydrate and load in one pass into a local copy.
     "one pass": {"owned": "auto", "one_pass": True},
     # To a device with a backend (the stand-in for CUDA): pinned reads, copies to it.

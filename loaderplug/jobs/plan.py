@@ -76,20 +76,31 @@ class Delivery(Protocol):
     # Transient errors the delivery retried while preparing files.
     retries: int
 
-    def prepare(self, entry: FileEntry, policy: IOPolicy, open_source: Opener) -> Sink | None:
+    def prepare(
+        self,
+        entry: FileEntry,
+        policy: IOPolicy,
+        open_source: Opener,
+        *,
+        cached: float | None = ...,
+        plain: bool = False,
+    ) -> Sink | None:
         """The sink that takes ``entry``'s bytes for the consumer; None: the delivery
         serves the file itself (it is in memory already), and the engine does not read
-        it."""
+        it. ``cached``: the share of the file in the page cache, where the policy asked
+        (see :func:`loaderplug.storage.io_policy.decided`); ``plain``: no plugin opens
+        sources, so the file's bytes are those of the file itself."""
         ...
 
     def deliver(
         self,
         run_engine: Callable[[], EngineStats] | None,
         cancel: Callable[[], None],
-        notify: Callable[[str, str, Any], None],
+        notify: Callable[[str, str, Any], None] | None,
     ) -> Generator[Any, None, EngineStats | None]:
         """Run the engine (None: nothing for it to read) while handing over what lands,
-        ``notify`` hearing of each item handed over; returns the engine's stats."""
+        ``notify`` (None: nobody) hearing of each item handed over; returns the engine's
+        stats."""
         ...
 
     def file_done(self, result: FileResult) -> None:

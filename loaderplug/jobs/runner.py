@@ -15,7 +15,8 @@ It alone owns what every job shares:
    for a copy, a :class:`~loaderplug.jobs.digest.DigestSink` where the plan expects a
    hash, the delivery's sink for a file whose contents go to a consumer);
 7. the engine's run, with a progress bar; a plan with a delivery lets it run the engine
-   and hand over what lands (:mod:`loaderplug.tensors.delivery.choice` for a load);
+   and hand over what lands (:mod:`loaderplug.tensors.delivery.choice` and
+   :mod:`loaderplug.tensors.delivery.hand_over` for a load);
 8. symlinks, refusals, the plan's ``finish`` step, every observer call, and the report.
 
 A delivering job's lock is let go as soon as nothing is left to publish, so ranks that
@@ -58,6 +59,7 @@ from loaderplug.plugins.manager import Plugins
 from loaderplug.report import TransferReport
 from loaderplug.settings import Settings
 from loaderplug.storage.mounts import is_network_type
+from loaderplug.storage.residency import NOT_ASKED
 from loaderplug.storage.safe_paths import LinkOnPath, guard_root, unlink_below
 from loaderplug.types import FileResult, Identity, IOPolicy, Status
 
@@ -198,11 +200,21 @@ class Runner:
         """The file's sinks and how it is read; ``io_modes`` says so under the path the
         job was asked to read (``requested``), with ``note`` when another is read."""
         delivery = self.plan.delivery
-        policy = self._policy(entry.source, per_file=delivery is not None)
+        cached: float | None = NOT_ASKED
+        if delivery is None:
+            policy = self._policy(entry.source)
+        else:  # whether a file to load is in the page cache is its own
+            policy, cached = self.plugins.file_policy(entry.source, entry.identity.device)
         sinks, resume = self._copy_sinks(entry, prepared)
         mode = f"{'direct' if policy.direct else 'buffered'} ({policy.reason}){note}"
         if delivery is not None:
-            sink = delivery.prepare(entry, policy, self.plugins.open_source)
+            sink = delivery.prepare(
+                entry,
+                policy,
+                self.plugins.open_source,
+                cached=cached,
+                plain=self._plain_sources,
+            )
             if sink is None:
                 self.io_modes[requested] = f"{delivery.served_as} ({policy.reason}){note}"
                 return
@@ -240,14 +252,20 @@ class Runner:
         size = entry.identity.size
         return [DigestSink(entry.rel, size, expected, self._window, file.blocks), file], resume
 
-    def _policy(self, path: Path, *, per_file: bool = False) -> IOPolicy:
+    def _policy(self, path: Path) -> IOPolicy:
         """One IO-policy decision per folder (a destination folder may not exist yet: its
-        policy is decided from the nearest existing parent), or with ``per_file`` per
-        file: whether a file to load is in the page cache is its own."""
-        key = str(path if per_file else path.parent)
+        policy is decided from the nearest existing parent)."""
+        key = str(path.parent)
         if key not in self._policies:
             self._policies[key] = self.plugins.io_policy(path)
         return self._policies[key]
+
+    @property
+    def _plain_sources(self) -> bool:
+        """Whether the built-in opens every source: a file's bytes are then those of the
+        file on its filesystem, and a delivery may read them through a descriptor of
+        its own."""
+        return self.plugins.builtin_alone("loaderplug_open_source")
 
     # -- the engine ---------------------------------------------------------------------
 
@@ -267,7 +285,9 @@ class Runner:
             stats = yield from delivery.deliver(
                 (lambda: engine.run(prepared.tasks)) if engine else None,
                 engine.cancel if engine else lambda: None,
-                lambda rel, name, item: notify(job, rel, name, item),
+                (lambda rel, name, item: notify(job, rel, name, item))
+                if self.plugins.watches_tensors()
+                else None,
             )
             prepared.results.extend(delivery.served())
             return stats or _no_stats(self.settings)

@@ -28,6 +28,9 @@ import pluggy
 from loaderplug.errors import PluginError
 from loaderplug.plugins import hookspecs
 from loaderplug.plugins.hookspecs import PROJECT
+from loaderplug.storage.io_policy import FilePolicy, decided
+from loaderplug.storage.mounts import filesystem_type
+from loaderplug.storage.residency import NOT_ASKED
 from loaderplug.types import FileResult, IOPolicy, MirrorRequest, Source
 
 if TYPE_CHECKING:
@@ -165,6 +168,28 @@ class Plugins:
         self._disabled = frozenset(settings.disable_plugins)
         self._warned: set[tuple[str, str]] = set()
         self._warned_lock = threading.Lock()
+        # Held for the job, as the plugins were when it asked first: one registered
+        # meanwhile applies to the jobs that follow (see register).
+        self._impls: dict[str, list[Any]] = {}
+        self._fs_types: dict[int, str] = {}  # each mount's, by its device
+
+    def _answerers(self, name: str) -> list[Any]:
+        """The implementations of the hook ``name`` that take part in this job, the last
+        registered first (as pluggy calls them)."""
+        impls = self._impls.get(name)
+        if impls is None:
+            hook, disabled = getattr(self._pm.hook, name), self._disabled
+            impls = [i for i in reversed(hook.get_hookimpls()) if i.plugin_name not in disabled]
+            self._impls[name] = impls
+        return impls
+
+    def builtin_alone(self, name: str) -> bool:
+        """Whether the built-in plugin alone implements the hook ``name`` in this job (no
+        other plugin answers it, wraps it or watches it, and the built-in is not kept
+        out): the job may then do what the built-in does without the hook's machinery,
+        or with less of it."""
+        impls = self._answerers(name)
+        return bool(impls) and all(i.plugin_name == BUILTIN_NAME for i in impls)
 
     def _caller(self, name: str) -> Any:
         hook = getattr(self._pm.hook, name)
@@ -195,6 +220,22 @@ class Plugins:
         )
         return policy
 
+    def file_policy(self, path: Path, device: int) -> FilePolicy:
+        """The policy of a file a job reads (``device``: its filesystem's, 0 if unknown)
+        and the share of it in the page cache where the policy asked. Where the built-in
+        answers alone, what it decides for a whole mount (its filesystem's type) is
+        decided once a job, and the page cache asked once a file, here; a plugin's hook
+        is asked for each file, as it may answer each its own way."""
+        if not self.builtin_alone("loaderplug_io_policy"):
+            return FilePolicy(self.io_policy(path), NOT_ASKED)
+        fs_type = self._fs_types.get(device) if device else None
+        if fs_type is None:
+            fs_type = filesystem_type(path)
+            if device:
+                self._fs_types[device] = fs_type
+        settings = self.settings
+        return decided(path, fs_type, settings.direct_io, measure=settings.io_probe, is_file=True)
+
     def open_source(self, path: str, policy: IOPolicy) -> Source:
         source: Source = self._first("loaderplug_open_source", path=path, policy=policy)
         return source
@@ -217,16 +258,20 @@ class Plugins:
         self._notify("loaderplug_on_file_done", job=job, result=result)
 
     def notify_tensor_ready(self, job: str, path: str, name: str, tensor: Any) -> None:
-        self._notify("loaderplug_on_tensor_ready", job=job, path=path, name=name, tensor=tensor)
+        if self._answerers("loaderplug_on_tensor_ready"):
+            self._notify("loaderplug_on_tensor_ready", job=job, path=path, name=name, tensor=tensor)
+
+    def watches_tensors(self) -> bool:
+        """Whether a plugin hears of each tensor handed over in this job."""
+        return bool(self._answerers("loaderplug_on_tensor_ready"))
 
     def notify_job_done(self, report: TransferReport) -> None:
         self._notify("loaderplug_on_job_done", report=report)
 
     def _notify(self, hook_name: str, **kwargs: Any) -> None:
         kwargs["settings"] = self.settings
-        hook = getattr(self._pm.hook, hook_name)
         # pluggy calls the last registered first; so do we, one plugin at a time.
-        impls = [i for i in reversed(hook.get_hookimpls()) if i.plugin_name not in self._disabled]
+        impls = self._answerers(hook_name)
         if any(i.hookwrapper or i.wrapper for i in impls):
             try:  # a wrapper needs pluggy's machinery: let pluggy call them all
                 self._caller(hook_name)(**kwargs)

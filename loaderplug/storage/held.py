@@ -27,6 +27,15 @@ class HeldFile:
         self.fd = fd
         self.identity = identity
         self._stable_inodes = stable_inodes
+        # The identity's fields as fstat gives them: a check of a file that did not
+        # change compares them, and makes no Identity.
+        self._stat = (
+            identity.size,
+            identity.mtime_ns,
+            identity.inode,
+            identity.device,
+            identity.ctime_ns,
+        )
 
     @staticmethod
     def open(
@@ -53,7 +62,10 @@ class HeldFile:
     def check(self, when: str) -> None:
         """Fail if the open file changed since it was opened (``when``: in which part of
         the load, for the message): truncated, grown or rewritten in place."""
-        now = Identity.of(os.fstat(self.fd))
+        st = os.fstat(self.fd)
+        if (st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev, st.st_ctime_ns) == self._stat:
+            return  # every field the same: whatever matches compares, it matches
+        now = Identity.of(st)
         if not now.matches(self.identity, inode=self._stable_inodes):
             raise FileError(
                 f"{self.path}: changed {when} (was {self.identity.describe()}, now "

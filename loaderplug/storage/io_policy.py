@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import struct
+from typing import NamedTuple
 
 from loaderplug.storage.io_probe import measured_policy
 from loaderplug.storage.mounts import (
@@ -18,7 +19,7 @@ from loaderplug.storage.mounts import (
     mount_identity,
     nearest_existing,
 )
-from loaderplug.storage.residency import WARM_FRACTION, cached_fraction
+from loaderplug.storage.residency import NOT_ASKED, WARM_FRACTION, cached_fraction
 from loaderplug.types import DirectIO, IOPolicy
 
 DEFAULT_ALIGNMENT = 4096
@@ -99,19 +100,50 @@ def decide(
     """The built-in policy: network and memory filesystems buffered, local block direct;
     with ``measure``, what was measured on the mount wins over that table
     (:mod:`loaderplug.storage.io_probe`)."""
-    fs_type = filesystem_type(path)
+    return decided(path, filesystem_type(path), mode, measure=measure).policy
+
+
+class FilePolicy(NamedTuple):
+    """A file's IO policy, and the share of it in the page cache where the policy asked
+    (:data:`~loaderplug.storage.residency.NOT_ASKED` where it did not; None: the kernel
+    would not say)."""
+
+    policy: IOPolicy
+    cached: float | None
+
+
+def decided(
+    path: str | os.PathLike[str],
+    fs_type: str,
+    mode: DirectIO = "auto",
+    *,
+    measure: bool = False,
+    is_file: bool | None = None,
+) -> FilePolicy:
+    """:func:`decide` for ``path`` on a filesystem of ``fs_type`` (what a job holds for
+    each mount), with the share of it in the page cache the policy asked for, so that
+    nothing asks again; ``is_file``: whether it is a regular file, where the caller
+    knows."""
     # Whether the file is in the page cache is its own, and asked once.
-    cached = _cached(path, fs_type, mode)
+    cached = _cached(path, fs_type, mode, is_file)
     guess = _by_type(path, mode, fs_type, cached)
     if not measure or mode != "auto" or guess.fs_type in MEMORY_TYPES:
-        return guess
-    return measured_policy(os.fspath(path), guess, direct_io_alignment(path), cached=cached)
+        return FilePolicy(guess, cached)
+    if cached is not None and cached >= WARM_FRACTION:
+        return FilePolicy(guess, cached)  # served from memory: no measurement applies
+    known = None if cached == NOT_ASKED else cached
+    alignment = direct_io_alignment(path)
+    return FilePolicy(measured_policy(os.fspath(path), guess, alignment, cached=known), cached)
 
 
-def _cached(path: str | os.PathLike[str], fs_type: str, mode: DirectIO) -> float | None:
+def _cached(
+    path: str | os.PathLike[str], fs_type: str, mode: DirectIO, is_file: bool | None
+) -> float | None:
     """The share of a local block filesystem's file in the page cache, where the policy
     asks (not for a folder, a forced mode or a filesystem the type decides)."""
-    if mode != "auto" or is_buffered_type(fs_type) or not os.path.isfile(path):
+    if mode != "auto" or is_buffered_type(fs_type):
+        return NOT_ASKED
+    if not (os.path.isfile(path) if is_file is None else is_file):
         return None
     return cached_fraction(os.fspath(path))
 

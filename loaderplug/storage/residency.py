@@ -17,6 +17,8 @@ from loaderplug.storage.libc import libc
 
 # A file at least this much in the page cache is read buffered, from memory.
 WARM_FRACTION = 0.5
+# A share no file has: the page cache was not asked about it (see io_policy.decided).
+NOT_ASKED = -1.0
 
 _CACHESTAT_NR = {"x86_64": 451, "aarch64": 451}.get(platform.machine())
 _PROT_READ, _MAP_SHARED = 1, 1

@@ -29,7 +29,7 @@ from loaderplug.tensors.delivery.plan import load_plan
 from loaderplug.tensors.device.path import device_path_for, within_device_budget
 from loaderplug.tensors.hosts.split import split_across_hosts
 from loaderplug.tensors.ranks.shared import share_for, shared_tensors, world_of
-from loaderplug.tensors.ranks.steps import free_groups
+from loaderplug.tensors.ranks.teardown import free_groups
 
 if TYPE_CHECKING:
     import torch
@@ -59,7 +59,9 @@ def iter_tensors(
     to the first tensor and how each file was read once it is exhausted
     (``stats``, a dict it fills, is the deprecated way to get them).
     """
-    job_settings = (settings or from_env()).replace(**overrides)
+    job_settings = settings or from_env()
+    if overrides:
+        job_settings = job_settings.replace(**overrides)
     if stats is not None:
         warnings.warn(
             "iter_tensors(stats=...) is deprecated: the Load it returns carries report, "

@@ -36,7 +36,6 @@ from loaderplug.tensors.reader import iter_tensors
 SILENT_S = 2.0
 LATE_BEATS = 3  # how many silences rank 1 starts late in ``late-beat``
 loads_done = 0
-made: list[tuple[str, int]] = []  # the share's groups made so far: name, this rank in it
 
 
 class NamingDeath(Heartbeats):
@@ -56,7 +55,6 @@ def late_watch(*args: Any, **kwargs: Any) -> Any:
 
 
 watch = ranks.watch
-agreed_group = rank_share.agreed_group
 
 
 def load(files: list[str]) -> dict[str, Any]:

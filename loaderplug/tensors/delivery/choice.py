@@ -1,5 +1,5 @@
-"""How a load hands its tensors over: the :class:`~loaderplug.jobs.plan.Delivery` of a
-load, and the consumer's side of it.
+"""Which way a load serves each file: the :class:`~loaderplug.jobs.plan.Delivery` of a
+load.
 
 For each file the runner plans, :class:`TensorDelivery` reads its header (two small
 reads, retried like any read) and gives the runner a tensor sink for it, or serves it
@@ -9,28 +9,22 @@ it, as safetensors does: loaderplug's own published local copies, and with
 ``LOADERPLUG_OWNED=auto`` a user's file on a local filesystem
 (:mod:`loaderplug.tensors.delivery.map_rule` says which, and why). A file that can change under
 the load (a network or FUSE volume, the mirror) is never mapped unless
-``LOADERPLUG_OWNED=off``: a tensor over a mapping of a file someone shrinks kills the
+``LOADERPLUG_OWNED=map``: a tensor over a mapping of a file someone shrinks kills the
 process that touches it (SIGBUS; docs/guarantees.md). A small file, or one in memory
 that is not mapped, is read into memory of the load's own by the process's readers
-(:mod:`loaderplug.tensors.delivery.owned_reads`), with no engine. While the engine runs on a
-thread of its own, :class:`HandOver` gives the consumer each tensor the moment a sink
-emits it, then tells of each file once it is done.
-
-The hand-over is made of iterator objects, not generator functions: a suspended
-generator keeps its locals, and a tensor the consumer has dropped must be freed then,
-not when the next one comes (the memory budget counts on it). Nothing between the sink
-and the consumer keeps a reference to a tensor handed over.
+(:mod:`loaderplug.tensors.delivery.owned_reads`), with no engine. A file to map whose
+bytes no plugin serves is opened once: its header is read from the descriptor it is
+then mapped through. The consumer's side, the tensors handed over as they complete, is
+:mod:`loaderplug.tensors.delivery.hand_over`'s.
 """
 
 from __future__ import annotations
 
+import os
 import queue
-import threading
 import time
-from collections.abc import Callable, Generator, Iterator
-from dataclasses import dataclass, replace
+from collections.abc import Callable
 from pathlib import Path
-from types import TracebackType
 from typing import Any
 
 from loaderplug.engine.buffers import Opener
@@ -38,13 +32,20 @@ from loaderplug.engine.file_task import EngineStats
 from loaderplug.engine.retry import RetryPolicy, retrying
 from loaderplug.engine.sinks import Sink
 from loaderplug.engine.sizing import default_sizing
-from loaderplug.errors import FileError, LoaderplugError
+from loaderplug.errors import FileError
 from loaderplug.jobs.partial import partial_for
 from loaderplug.jobs.plan import FileEntry
 from loaderplug.settings import Settings
 from loaderplug.storage.held import HeldFile
 from loaderplug.storage.mounts import MEMORY_TYPES
-from loaderplug.storage.residency import WARM_FRACTION, cached_fraction
+from loaderplug.storage.residency import NOT_ASKED, WARM_FRACTION, cached_fraction
+from loaderplug.tensors.delivery.hand_over import (
+    Event,
+    FileFinished,
+    HandOver,
+    HereFile,
+    TensorReady,
+)
 from loaderplug.tensors.delivery.map_rule import MapRule, shares_page_cache
 from loaderplug.tensors.delivery.owned_reads import STEP, FileReads, ReadTensors, gives_up
 from loaderplug.tensors.delivery.read_threads import prefetch
@@ -56,52 +57,11 @@ from loaderplug.tensors.delivery.tensor_sinks import (
 from loaderplug.tensors.device.path import DevicePath
 from loaderplug.tensors.device.sink import DeviceTensorSink
 from loaderplug.tensors.format.header import Header
-from loaderplug.tensors.format.read import read_header
-from loaderplug.tensors.format.torch_dtypes import torch_dtypes
+from loaderplug.tensors.format.read import header_of_fd, read_header
+from loaderplug.tensors.format.torch_dtypes import TorchLayout, torch_layout
 from loaderplug.tensors.memory.budget import MemoryBudget, device_limit
 from loaderplug.types import FileResult, Identity, IOPolicy
 from loaderplug.units import MiB
-
-
-@dataclass(frozen=True)
-class TensorReady:
-    """A tensor of the file ``rel``, whole, handed to the consumer."""
-
-    rel: str
-    name: str
-    tensor: Any
-
-
-@dataclass(frozen=True)
-class FileFinished:
-    """A file of a load was read to its end (every tensor of it handed over before), or
-    failed."""
-
-    result: FileResult
-
-
-@dataclass(frozen=True)
-class Idle:
-    """Nothing landed within the delivery's ``idle_after_s``: the consumer may do other
-    work and ask again (a rank streaming a shared load steps on without a tensor of its
-    own, so the others' reach it)."""
-
-
-Event = TensorReady | FileFinished | Idle
-
-
-@dataclass(frozen=True)
-class HereFile:
-    """A file the delivery serves in the consumer's thread: ``status`` ``mapped`` (an
-    own local copy in memory) or ``loaded`` (read there); ``tensors`` starts serving
-    it."""
-
-    rel: str
-    header: Header
-    status: str
-    tensors: Callable[[], Iterator[tuple[str, Any]]]
-    # Lets go of what the file holds (its descriptor) if it is never served.
-    release: Callable[[], None] = lambda: None
 
 
 class TensorDelivery:
@@ -155,16 +115,53 @@ class TensorDelivery:
 
     # -- planning (the runner's thread) -------------------------------------------------
 
-    def prepare(self, entry: FileEntry, policy: IOPolicy, open_source: Opener) -> Sink | None:
+    def prepare(
+        self,
+        entry: FileEntry,
+        policy: IOPolicy,
+        open_source: Opener,
+        *,
+        cached: float | None = NOT_ASKED,
+        plain: bool = False,
+    ) -> Sink | None:
         if self.started is None:
             self.started = time.monotonic()
-        header, seen = self._read_header(entry, policy, open_source)
-        # A dtype or shape this torch cannot hold fails the load as a bad file, at once,
-        # whichever sink would have met it.
-        torch_dtypes(header)
+        here = entry.copy_to is None and (self.may_map or self.serves_here)
+        # None is (a load to a device with a backend): its page cache is not measured.
+        in_memory = here and self._in_memory(policy, entry.source, cached)
+        why = (
+            self.map_rule.why_mapped(entry.source, policy, in_memory)
+            if here and self.may_map
+            else None
+        )
+        held: HeldFile | None = None
+        if why is not None and plain:
+            header, held = self._held_header(entry, policy)
+            seen = held.identity
+        else:
+            header, seen = self._read_header(entry, policy, open_source)
+        try:
+            # A dtype or shape this torch cannot hold fails the load as a bad file, at
+            # once, whichever sink would have met it.
+            layout = torch_layout(header)
+            if why is not None and held is None:
+                # Held from now on: a file renamed over this name before the consumer
+                # comes to it leaves the load the version whose header it read.
+                held = HeldFile.open(str(entry.source), seen, stable_inodes=policy.stable_inodes)
+        except BaseException:
+            if held is not None:
+                held.close()
+            raise
         self.headers[entry.rel] = header
-        if entry.copy_to is None and self._serve_here(entry, policy, header, seen, open_source):
+        if held is not None and why is not None:
+            self._serve_mapped(entry, header, held, layout, in_memory, why)
             return None
+        if here and self._serve_read(entry, policy, header, in_memory, open_source):
+            return None
+        return self._sink(entry, policy, header, seen)
+
+    def _sink(self, entry: FileEntry, policy: IOPolicy, header: Header, seen: Identity) -> Sink:
+        """The sink the engine lands the file's bytes in."""
         rel = entry.rel
 
         def emit(name: str, tensor: Any) -> None:
@@ -188,39 +185,40 @@ class TensorDelivery:
             return PageCacheTensorSink(header, emit, pages, held)
         return TensorSink(header, self.device, emit, self.budget)
 
-    def _serve_here(
+    def _serve_mapped(
+        self,
+        entry: FileEntry,
+        header: Header,
+        held: HeldFile,
+        layout: TorchLayout,
+        in_memory: bool,
+        why: str,
+    ) -> None:
+        """Serve the file in the consumer's thread as tensors over a mapping of ``held``
+        (the file its header was read from, held open from now on), as the load's rule
+        says (``why``)."""
+        self.served_as = f"mapped, {why}"
+        path, size = str(entry.source), entry.identity.size
+
+        def mapped() -> MappedTensors:
+            # A cold file's pages are asked for once the consumer comes to it, not at
+            # planning: the page cache holds the files being used, not the model.
+            if not in_memory:
+                prefetch(path, size)
+            return MappedTensors(header, held, layout)
+
+        self.served_here.append(HereFile(entry.rel, header, "mapped", mapped, held.close))
+
+    def _serve_read(
         self,
         entry: FileEntry,
         policy: IOPolicy,
         header: Header,
-        seen: Identity,
+        in_memory: bool,
         open_source: Opener,
     ) -> bool:
-        """Serve the file in the consumer's thread: mapped where the load's rule says
-        (the file ``seen`` as its header was read, held open from now on), else read
-        without the engine if it is small or in memory already; :attr:`served_as` says
-        how."""
-        if not (self.may_map or self.serves_here):
-            # None is (a load to a device with a backend): its page cache is not measured.
-            return False
-        in_memory = self._in_memory(policy, entry.source)
-        why = self.map_rule.why_mapped(entry.source, policy, in_memory) if self.may_map else None
-        if why is not None:
-            self.served_as = f"mapped, {why}"
-            path, size = str(entry.source), entry.identity.size
-            # Held from now on: a file renamed over this name before the consumer comes
-            # to it leaves the load the version whose header it read.
-            held = HeldFile.open(path, seen, stable_inodes=policy.stable_inodes)
-
-            def mapped() -> MappedTensors:
-                # A cold file's pages are asked for once the consumer comes to it, not
-                # at planning: the page cache holds the files being used, not the model.
-                if not in_memory:
-                    prefetch(path, size)
-                return MappedTensors(header, held)
-
-            self.served_here.append(HereFile(entry.rel, header, "mapped", mapped, held.close))
-            return True
+        """Read the file into memory of the load's own without the engine if it is small
+        or in memory already; :attr:`served_as` says how."""
         if not self.serves_here or not (in_memory or entry.identity.size < self.small_file):
             return False
         reads = FileReads(entry, policy, open_source, self.retry)
@@ -261,17 +259,47 @@ class TensorDelivery:
             return str(entry.source)
         return None
 
-    def _in_memory(self, policy: IOPolicy, path: Path) -> bool:
+    def _in_memory(self, policy: IOPolicy, path: Path, cached: float | None) -> bool:
         """Whether the file's bytes are in memory already (tmpfs, or a local file mostly
         in the page cache): they are then read, or mapped, faster than the engine's
         threads hand them over. A file that is not is read by the engine, or mapped
-        with its pages asked for ahead (see :mod:`loaderplug.tensors.delivery.map_rule`)."""
+        with its pages asked for ahead (see :mod:`loaderplug.tensors.delivery.map_rule`).
+        ``cached``: the share of it in the page cache, where the policy asked already."""
         if not shares_page_cache(policy):
             return False
         if policy.fs_type in MEMORY_TYPES:
             return True
-        cached = cached_fraction(str(path))
+        if cached == NOT_ASKED:
+            cached = cached_fraction(str(path))
         return cached is not None and cached >= WARM_FRACTION
+
+    def _held_header(self, entry: FileEntry, policy: IOPolicy) -> tuple[Header, HeldFile]:
+        """The header of a file to map that no plugin serves, read from the descriptor
+        it is then mapped through, retried like any read: the tensors are cut from the
+        very file the header was read from. A file that changed since it was listed, or
+        while its header was read, fails here as in :meth:`_read_header`."""
+        path = str(entry.source)
+        inode = policy.stable_inodes
+
+        def read() -> tuple[Header, HeldFile]:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                now = Identity.of(os.fstat(fd))
+                if not now.matches(entry.identity, inode=inode):
+                    raise FileError(
+                        f"{path}: changed since it was listed (now {now.describe()})", path=path
+                    )
+                header = header_of_fd(path, fd, now.size)
+                if not Identity.of(os.fstat(fd)).matches(now, inode=inode):
+                    raise FileError(f"{path}: changed while its header was read", path=path)
+            except BaseException:
+                os.close(fd)
+                raise
+            return header, HeldFile(path, fd, now, stable_inodes=inode)
+
+        (header, held), retries = retrying(read, self.retry, gives_up(path, "reading the header"))
+        self.retries += retries
+        return header, held
 
     def _read_header(
         self, entry: FileEntry, policy: IOPolicy, open_source: Opener
@@ -306,7 +334,7 @@ class TensorDelivery:
         self,
         run_engine: Callable[[], EngineStats] | None,
         cancel: Callable[[], None],
-        notify: Callable[[str, str, Any], None],
+        notify: Callable[[str, str, Any], None] | None,
     ) -> HandOver:
         return HandOver(self, run_engine, cancel, notify)
 
@@ -340,229 +368,3 @@ class TensorDelivery:
 # split threshold is smaller: starting the engine's threads and handing its tensors back
 # costs more than the read.
 SMALL_FILE = 8 * MiB
-
-
-class HandOver(Generator[Event, None, "EngineStats | None"]):
-    """The consumer's side of a load: the tensors of the files served in its own thread
-    first, then the engine's, each as it completes, and each file once it is done. Its
-    return value (through ``yield from``) is the engine's stats, with the bytes read in
-    the consumer's thread counted in.
-
-    Closing it (the consumer stopped early) or an error cancels the engine and waits for
-    its threads, so every unfinished file's sinks are aborted before it returns, and
-    drops the tensors the consumer did not take."""
-
-    def __init__(
-        self,
-        delivery: TensorDelivery,
-        run_engine: Callable[[], EngineStats] | None,
-        cancel: Callable[[], None],
-        notify: Callable[[str, str, Any], None],
-    ) -> None:
-        self._delivery = delivery
-        self._run_engine, self._cancel, self._notify = run_engine, cancel, notify
-        self._here = iter(delivery.served_here)
-        self._file: tuple[HereFile, Iterator[tuple[str, Any]]] | None = None
-        self._worker: threading.Thread | None = None
-        self._outcome: dict[str, Any] = {}
-        self._done = False
-
-    def send(self, value: None) -> Event:
-        if self._done:
-            raise StopIteration
-        try:
-            return self._next_mapped() or self._next_from_engine()
-        except StopIteration:
-            self._done = True
-            raise
-        except BaseException:
-            self._stop()
-            raise
-
-    def throw(
-        self,
-        typ: Any,
-        val: Any = None,
-        tb: TracebackType | None = None,
-    ) -> Event:
-        self._stop()
-        raise val if val is not None else typ
-
-    def close(self) -> None:
-        self._stop()
-
-    def _next_mapped(self) -> Event | None:
-        """The next event of the files served here, None once they are all handed over.
-        A file that fails there is told as failed, like one the engine read."""
-        while True:
-            if self._file is None:
-                here = next(self._here, None)
-                if here is None:
-                    return None
-                try:
-                    self._file = (here, here.tensors())
-                except (LoaderplugError, OSError) as exc:  # its mapping or memory
-                    here.release()
-                    return self._finished(FileResult(here.rel, "failed", reason=str(exc)))
-            here, tensors = self._file
-            try:
-                item = next(tensors, None)
-            except (LoaderplugError, OSError) as exc:
-                self._close_file()
-                return self._finished(FileResult(here.rel, "failed", reason=str(exc)))
-            if item is not None:
-                return self._handed(TensorReady(here.rel, *item))
-            self._file = None
-            return self._finished(FileResult(here.rel, here.status, here.header.size))  # type: ignore[arg-type]
-
-    def _finished(self, result: FileResult) -> FileFinished:
-        self._delivery.results.append(result)
-        return FileFinished(result)
-
-    def _close_file(self) -> None:
-        """Stop serving the file being served here: its unserved memory goes back."""
-        file, self._file = self._file, None
-        close = getattr(file[1], "close", None) if file is not None else None
-        if close is not None:
-            close()
-
-    def _next_from_engine(self) -> Event:
-        if self._run_engine is None:
-            raise StopIteration(self._counted(None))
-        if self._worker is None:
-            self._start()
-        delivery = self._delivery
-        if delivery.interrupted is not None:
-            raise delivery.interrupted
-        try:
-            event = delivery.ready.get(timeout=delivery.idle_after_s)
-        except queue.Empty:
-            return Idle()
-        if isinstance(event, BaseException):
-            raise event
-        if event is None:
-            self._stop()
-            if "error" in self._outcome:
-                raise self._outcome["error"]
-            raise StopIteration(self._counted(self._outcome["stats"]))
-        if isinstance(event, TensorReady):
-            delivery.taken(event)
-            return self._handed(event)
-        return event
-
-    def _counted(self, stats: EngineStats | None) -> EngineStats | None:
-        """The engine's stats with the bytes read in the consumer's thread added."""
-        read_here = self._delivery.bytes_read_here
-        if not read_here:
-            return stats
-        if stats is None:
-            sizing = self._delivery.sizing
-            return EngineStats(
-                [], read_here, 0, sizing.chunk, sizing.workers, None, cancelled=False
-            )
-        return replace(stats, bytes_copied=stats.bytes_copied + read_here)
-
-    def _handed(self, event: TensorReady) -> TensorReady:
-        delivery = self._delivery
-        if delivery.first_tensor_s is None:
-            delivery.first_tensor_s = time.monotonic() - (delivery.started or time.monotonic())
-        self._notify(event.rel, event.name, event.tensor)
-        return event
-
-    def _start(self) -> None:
-        run_engine = self._run_engine
-        assert run_engine is not None
-
-        def run() -> None:
-            try:
-                self._outcome["stats"] = run_engine()
-            except BaseException as exc:
-                self._outcome["error"] = exc
-            finally:
-                self._delivery.ready.put(None)
-
-        self._worker = threading.Thread(target=run, name="loaderplug-load", daemon=True)
-        self._worker.start()
-
-    def _stop(self) -> None:
-        """Cancel the engine if it still runs (the consumer stopped early, or an error)
-        and wait for it; close the file being served here."""
-        self._done = True
-        self._close_file()
-        for here in self._here:  # never reached: their files go now
-            here.release()
-        worker = self._worker
-        if worker is None:
-            return
-        if worker.is_alive():
-            self._cancel()
-        while worker.is_alive():
-            worker.join(0.1)  # timed: the consumer's thread stays able to take Ctrl-C
-        self._drop_untaken()
-
-    def _drop_untaken(self) -> None:
-        """The tensors emitted but never taken go now, not when the load object dies:
-        their memory (on the device, for a load to one) is freed at once."""
-        while True:
-            try:
-                self._delivery.ready.get_nowait()
-            except queue.Empty:
-                return
-
-
-class ReadyOf(Iterator[TensorReady]):
-    """The :class:`TensorReady` events among a load's events (each names its file).
-
-    With ``pause_at_files`` an iteration ends at each file finished (:attr:`finished`
-    tells which) and the next one resumes after it; :attr:`done` is set once the events
-    are exhausted. Without, finished files are passed over and a failed one raises
-    :class:`~loaderplug.errors.LoaderplugError`.
-    """
-
-    def __init__(self, events: Iterator[Any], *, pause_at_files: bool = False) -> None:
-        self._events = events
-        self._pause = pause_at_files
-        self.finished: FileResult | None = None
-        self.done = False
-
-    def __next__(self) -> TensorReady:
-        self.finished = None
-        for event in self._events:
-            if isinstance(event, TensorReady):
-                return event
-            if self._pause:
-                self.finished = event.result
-                raise StopIteration
-            raise_if_failed(event)
-        self.done = True
-        raise StopIteration
-
-
-def raise_if_failed(event: FileFinished) -> None:
-    """A file that failed ends the consumer's iteration with its error."""
-    if event.result.status == "failed":
-        raise LoaderplugError(f"{event.result.path}: {event.result.reason}")
-
-
-class TensorsOf(Iterator[tuple[str, Any]]):
-    """The ``(name, tensor)`` pairs among a load's events, as :class:`ReadyOf` finds
-    them (``pause_at_files``, :attr:`finished` and :attr:`done` as there)."""
-
-    def __init__(self, events: Iterator[Any], *, pause_at_files: bool = False) -> None:
-        self._ready = ReadyOf(events, pause_at_files=pause_at_files)
-
-    @property
-    def finished(self) -> FileResult | None:
-        return self._ready.finished
-
-    @property
-    def done(self) -> bool:
-        return self._ready.done
-
-    @done.setter
-    def done(self, value: bool) -> None:
-        self._ready.done = value
-
-    def __next__(self) -> tuple[str, Any]:
-        event = next(self._ready)
-        return event.name, event.tensor

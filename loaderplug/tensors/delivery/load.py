@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 from loaderplug.errors import TransferFailed
 from loaderplug.jobs.runner import Runner
 from loaderplug.report import TransferReport
-from loaderplug.tensors.delivery.choice import TensorDelivery, TensorReady
+from loaderplug.tensors.delivery.choice import TensorDelivery
+from loaderplug.tensors.delivery.hand_over import TensorReady
 from loaderplug.tensors.device.path import DevicePath
 
 if TYPE_CHECKING:

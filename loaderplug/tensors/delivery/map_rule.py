@@ -19,8 +19,8 @@ policy says so; the readers then ask for its pages ahead of the consumer's touch
 cold file the policy reads with O_DIRECT is read into memory of the load's own, at the
 disk's speed. So is every file that can change under the load: one on a network,
 cluster or FUSE filesystem (another host, or a server, may change it at any time), one
-of the mirror (a sync rewrites it), a file being written (a temp name). ``on`` owns
-every file; ``off`` maps every file a load reads in place, wherever it lives.
+of the mirror (a sync rewrites it), a file being written (a temp name). ``own`` owns
+every file; ``map`` maps every file a load reads in place, wherever it lives.
 
 Ranks sharing a load keep the rule they had: only own local copies in memory are
 mapped; the rest reaches the other ranks as their sharing mode says.
@@ -46,7 +46,7 @@ class MapRule:
     (``shared_by_ranks``: only own local copies in memory are mapped then)."""
 
     owned: Owned = "auto"
-    own_copies: tuple[Path, ...] = ()
+    own_copies: tuple[Path, ...] = ()  # each resolved to its real path when asked about
     mirror: Path | None = None
     shared_by_ranks: bool = False
 
@@ -59,8 +59,8 @@ class MapRule:
         folders: Sequence[Path] = (settings.local_models_dir, *([local] if local else []))
         return MapRule(
             owned=settings.owned,
-            own_copies=tuple(_real(p) for p in folders),
-            mirror=_real(Path(settings.mirror)) if settings.mirror else None,
+            own_copies=tuple(folders),
+            mirror=Path(settings.mirror) if settings.mirror else None,
             shared_by_ranks=shared_by_ranks,
         )
 
@@ -70,10 +70,11 @@ class MapRule:
         if self.shared_by_ranks:
             return "an own local copy" if in_memory and self.is_own_copy(path) else None
         if self.owned != "auto":
-            return "LOADERPLUG_OWNED=off" if self.owned == "off" else None
-        if self.is_own_copy(path):
+            return "LOADERPLUG_OWNED=map" if self.owned == "map" else None
+        real = _RealOnce(path)
+        if self.is_own_copy(path, real):
             what = "an own local copy"
-        elif self._stays_put(path, policy):
+        elif self._stays_put(path, policy, real):
             what = f"a file on {policy.fs_type}, a local filesystem"
         else:
             return None
@@ -84,21 +85,21 @@ class MapRule:
             return None
         return f"{what}, read through the page cache"
 
-    def is_own_copy(self, path: Path) -> bool:
+    def is_own_copy(self, path: Path, real: _RealOnce | None = None) -> bool:
         """Whether ``path`` is one of loaderplug's own published local copies, which
         nothing rewrites in place: a copy is replaced by a rename, never truncated."""
         if not self.own_copies or is_temp_name(path.name):
             return False
-        real = _real(path)
-        return any(real.is_relative_to(folder) for folder in self.own_copies)
+        real = real or _RealOnce(path)
+        return any(_within(real, folder) for folder in self.own_copies)
 
-    def _stays_put(self, path: Path, policy: IOPolicy) -> bool:
+    def _stays_put(self, path: Path, policy: IOPolicy, real: _RealOnce) -> bool:
         """A user's file that only a process of this machine changes: on a local
         filesystem, and not the mirror's (a sync rewrites it) nor a file being written
         (a temp name)."""
         if not is_local_type(policy.fs_type) or is_temp_name(path.name):
             return False
-        return self.mirror is None or not _real(path).is_relative_to(self.mirror)
+        return self.mirror is None or not _within(real, self.mirror)
 
 
 def shares_page_cache(policy: IOPolicy) -> bool:
@@ -110,3 +111,48 @@ def shares_page_cache(policy: IOPolicy) -> bool:
 
 def _real(path: Path) -> Path:
     return Path(os.path.realpath(path))
+
+
+class _RealOnce:
+    """A path's real path, resolved the first time it is asked for, and once."""
+
+    def __init__(self, path: Path) -> None:
+        self._path = path
+        self._real: str | None = None
+
+    @property
+    def path(self) -> str:
+        if self._real is None:
+            self._real = os.path.realpath(self._path)
+        return self._real
+
+
+def _within(real: _RealOnce, folder: Path) -> bool:
+    """Whether a file's real path lies in ``folder`` (its real path, that is), with no
+    path made (a load asks it of every file). A folder that does not exist holds no
+    file: the file's real path is not even asked for."""
+    resolved = _real_folder(folder)
+    if resolved is None:
+        return False
+    base, path = str(resolved), real.path
+    return path == base or path.startswith(base if base.endswith(os.sep) else base + os.sep)
+
+
+# Each folder's real path, with the identity of the folder it named then: a load asks
+# for its rule's folders, and one whose name now leads elsewhere is resolved again.
+_folders: dict[str, tuple[tuple[int, int], Path]] = {}
+
+
+def _real_folder(folder: Path) -> Path | None:
+    key = os.fspath(folder)
+    try:
+        st = os.stat(key)
+    except OSError:
+        return None
+    seen = (st.st_dev, st.st_ino)
+    known = _folders.get(key)
+    if known is not None and known[0] == seen:
+        return known[1]
+    real = _real(folder)
+    _folders[key] = (seen, real)
+    return real

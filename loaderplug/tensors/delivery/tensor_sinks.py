@@ -22,7 +22,13 @@ from loaderplug.errors import FileError
 from loaderplug.storage.held import HeldFile
 from loaderplug.tensors.format.coverage import Coverage, Emit
 from loaderplug.tensors.format.header import Header, TensorInfo
-from loaderplug.tensors.format.torch_dtypes import empty_tensor, torch_dtypes, torch_module
+from loaderplug.tensors.format.torch_dtypes import (
+    TorchLayout,
+    empty_tensor,
+    torch_dtypes,
+    torch_layout,
+    torch_module,
+)
 from loaderplug.tensors.memory.arena import Arena
 from loaderplug.tensors.memory.budget import FileHold, MemoryBudget
 from loaderplug.tensors.memory.page_release import PageReleaser
@@ -194,36 +200,51 @@ class MappedFile:
     """A file's tensors over one private (copy-on-write) mapping of it, as safetensors
     does: they share the page cache's pages until written to, and each gives its pages
     back when it dies (see :mod:`loaderplug.tensors.memory.page_release`). Tensors are taken
-    by name, in any order. The file mapped is ``held`` (the descriptor its header was
-    read under, see :mod:`loaderplug.storage.held`), else ``path`` (by default the
-    header's); one shorter than the header says fails here, never in a tensor's view."""
+    by name, in any order, or by their place in the file (:meth:`tensor_at`). The file
+    mapped is ``held`` (the descriptor its header was read under, see
+    :mod:`loaderplug.storage.held`), else ``path`` (by default the header's); one shorter
+    than the header says fails here, never in a tensor's view. ``layout``: the header's
+    tensors with their torch dtypes and shapes, where the caller has them already."""
 
     def __init__(
-        self, header: Header, path: str | None = None, held: HeldFile | None = None
+        self,
+        header: Header,
+        path: str | None = None,
+        held: HeldFile | None = None,
+        layout: TorchLayout | None = None,
     ) -> None:
-        self._torch = torch_module()
+        self.torch = torch_module()
         self.header = header
-        self._dtypes = torch_dtypes(header)
-        self._by_name = {t.name: t for t in header.tensors}
+        self.layout = layout if layout is not None else torch_layout(header)
+        self._by_name: dict[str, int] | None = None
         if held is not None:
             mapping, size = _map(header, held.fd, held.path)
         else:
             with open(path or header.path, "rb") as f:
                 mapping, size = _map(header, f.fileno(), path or header.path)
-        self._releaser = PageReleaser(mapping, header, size) if mapping is not None else None
+        # The releaser walks the tensors once more: the list made already, not the table.
+        listed = Header(header.path, header.size, header.data_start, self.layout.tensors, {})
+        self.releaser = PageReleaser(mapping, listed, size) if mapping is not None else None
 
     def tensor(self, name: str) -> torch.Tensor:
-        t = self._by_name[name]
-        dtype = self._dtypes[name]
-        if not t.nbytes or self._releaser is None:
+        if self._by_name is None:
+            self._by_name = {t.name: i for i, t in enumerate(self.layout.tensors)}
+        return self.tensor_at(self._by_name[name])
+
+    def tensor_at(self, index: int) -> torch.Tensor:
+        """The tensor at ``index`` in the order of offsets."""
+        layout = self.layout
+        t, dtype = layout.tensors[index], layout.dtypes[index]
+        if not t.nbytes or self.releaser is None:
             return empty_tensor(dtype, t)
-        raw = self._torch.frombuffer(self._releaser.tensor(t), dtype=self._torch.uint8)
-        tensor: torch.Tensor = raw.view(dtype).reshape(t.torch_shape)
+        lib = self.torch
+        raw = lib.frombuffer(self.releaser.tensor(t), dtype=lib.uint8)
+        tensor: torch.Tensor = raw.view(dtype).reshape(layout.shapes[index])
         return tensor
 
     def close(self) -> None:
         """Give back the pages no tensor handed over holds (idempotent)."""
-        releaser, self._releaser = self._releaser, None
+        releaser, self.releaser = self.releaser, None
         if releaser is not None:
             releaser.release_rest()
 
@@ -236,12 +257,16 @@ class MappedTensors:
     An iterator object, not a generator: nothing of it refers to a tensor it handed
     over, so a tensor its consumer drops is freed at once."""
 
-    def __init__(self, header: Header, held: HeldFile | None = None) -> None:
+    def __init__(
+        self, header: Header, held: HeldFile | None = None, layout: TorchLayout | None = None
+    ) -> None:
         self._file: MappedFile | None = None
         self._held = held
-        self._names = iter([t.name for t in header.tensors])
+        self._next = 0
+        self._count = 0
         try:
-            self._file = MappedFile(header, held=held)
+            self._file = MappedFile(header, held=held, layout=layout)
+            self._count = len(self._file.layout.tensors)
         except BaseException:
             self.close()
             raise
@@ -250,8 +275,7 @@ class MappedTensors:
         return self
 
     def __next__(self) -> tuple[str, torch.Tensor]:
-        name = next(self._names, None)
-        held, file = self._held, self._file
+        held, file, index = self._held, self._file, self._next
         try:
             # Before each tensor (an fstat, about a microsecond): one cut short under the
             # mapping would kill the process that touches it (SIGBUS), one rewritten in
@@ -261,16 +285,24 @@ class MappedTensors:
         except BaseException:
             self.close()
             raise
-        if name is None or file is None:
+        if file is None or index >= self._count:
             self.close()
             raise StopIteration
-        return name, file.tensor(name)
+        self._next = index + 1
+        layout = file.layout
+        t, dtype = layout.tensors[index], layout.dtypes[index]
+        releaser = file.releaser
+        if not t.nbytes or releaser is None:
+            return t.name, empty_tensor(dtype, t)
+        lib = file.torch  # MappedFile.tensor_at, inline: one call less for each tensor
+        raw = lib.frombuffer(releaser.tensor(t), dtype=lib.uint8)
+        return t.name, raw.view(dtype).reshape(layout.shapes[index])
 
     def close(self) -> None:
         """Give back the pages of every tensor not handed over, and the file (idempotent)."""
         file, self._file = self._file, None
         held, self._held = self._held, None
-        self._names = iter(())
+        self._count = 0
         if file is not None:
             file.close()
         if held is not None:

@@ -44,11 +44,13 @@ from __future__ import annotations
 import codecs
 import itertools
 import json
+import operator
 import re
 import reprlib
 import struct
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TypeGuard
 
 from loaderplug.errors import FormatError
 from loaderplug.tensors.format.dtypes import DTYPES
@@ -111,12 +113,115 @@ def parse_header(path: str, raw: bytes, file_size: int) -> Header:
     """Validate the JSON header ``raw`` (without its 8-byte length) of a ``file_size`` file."""
     data_start = LENGTH_BYTES + len(raw)
     _check_utf8(path, raw)
-    table = TensorTable()
-    metadata = _walk(Scanner(path, raw), table)
+    at_once = _at_once(path, raw)
+    if at_once is not None:
+        entries, metadata = at_once
+        tensors = _tiled(entries, data_start, file_size - data_start)
+        if tensors is not None:
+            return Header(path, file_size, data_start, tensors, metadata)
+        table = TensorTable()  # the checks below say what is wrong, and where
+        for name, dtype, shape, begin, end in entries:
+            table.append(name.encode(), dtype, shape, begin, end)
+    else:
+        table = TensorTable()
+        metadata = _walk(Scanner(path, raw), table)
     order = table.order()
     _layout(path, table, order, file_size - data_start)
     table.done()
     return Header(path, file_size, data_start, Tensors(table, order, data_start), metadata)
+
+
+# A tensor's entry as decoded at once: name, dtype, shape, begin, end (in the data area).
+_Decoded = tuple[str, str, list[int], int, int]
+
+
+def _at_once(path: str, raw: bytes) -> tuple[list[_Decoded], Mapping[str, str]] | None:
+    """A small header as safetensors writes it, decoded with one call of Python's json
+    and its entries checked one by one as :func:`_walk` checks them (the same errors, in
+    the same order); None for anything else (a larger header, one with an escape, a
+    ``-0``, a repeated key, a value nested or shaped otherwise), which :func:`_walk`
+    then reads: its messages say where the header strays. Its objects take a few
+    hundred kilobytes at the most."""
+    if len(raw) > SMALL_BYTES:
+        return None
+    text = raw.decode()
+    if "\\" in text or _NEGATIVE_ZERO.search(text):
+        return None
+    try:
+        value = _PLAIN_DECODER.decode(text)
+    except (ValueError, _Refused, RecursionError):
+        return None
+    # A dict keeps a repeated key's last value, where serde reads each: every key of the
+    # text must be one of the dicts'.
+    if type(value) is not dict or _keys(value) != len(_KEY_END.findall(text)):
+        return None
+    entries: list[_Decoded] = []
+    metadata: Mapping[str, str] = {}
+    for key, entry in value.items():
+        if key == "__metadata__":
+            if entry is not None and not _flat_metadata(entry):
+                return None
+            metadata = entry or {}
+            continue
+        if type(entry) is not dict or len(entry) != len(_FIELDS):
+            return None
+        dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+        if type(dtype) is not str or not (_ints(shape) and _ints(offsets)):
+            return None
+        if not (dtype in DTYPES and len(offsets) == 2 and _in_usize(shape + offsets)):
+            _checked(path, key if len(key) <= 50 else _name(key.encode()), dtype, shape, offsets)
+        entries.append((key, dtype, shape, offsets[0], offsets[1]))
+    return entries, metadata
+
+
+def _tiled(
+    entries: list[_Decoded], data_start: int, data_size: int
+) -> tuple[TensorInfo, ...] | None:
+    """The tensors in order of offsets, where they tile the data area and each holds
+    exactly the bytes its shape needs (what :func:`_layout` checks); None where they do
+    not, for :func:`_layout` to say how."""
+    covered = 0
+    tensors = []
+    # Stable: tensors of the same offsets keep the header's order, as in TensorTable.
+    for name, dtype, shape, begin, end in sorted(entries, key=_OFFSETS):
+        if begin != covered or end < begin:
+            return None
+        covered = end
+        count = 1
+        for d in shape:
+            count *= d
+            if count > USIZE_MAX:
+                return None
+        bits = count * DTYPES[dtype].bits
+        if bits > USIZE_MAX or bits % 8 or end - begin != bits // 8:
+            return None
+        tensors.append(TensorInfo(name, dtype, tuple(shape), data_start + begin, data_start + end))
+    return tuple(tensors) if covered == data_size else None
+
+
+_OFFSETS = operator.itemgetter(3, 4)
+
+
+def _in_usize(values: list[int]) -> bool:
+    return not values or (min(values) >= 0 and max(values) <= USIZE_MAX)
+
+
+def _keys(value: dict[str, object]) -> int:
+    """The keys of a header decoded whole, with its entries' and metadata's."""
+    inner = (len(v) for v in value.values() if type(v) is dict)
+    return len(value) + sum(inner)
+
+
+def _ints(value: object) -> TypeGuard[list[int]]:
+    # No bool, no float: the types themselves, gathered in one call.
+    return type(value) is list and (not value or set(map(type, value)) == _INT)
+
+
+_INT = {int}
+
+
+def _flat_metadata(value: object) -> bool:
+    return type(value) is dict and all(type(v) is str for v in value.values())
 
 
 def _check_utf8(path: str, raw: bytes) -> None:
@@ -298,6 +403,10 @@ def _constant(text: str) -> object:
 # Python's digit limit, by int() itself.
 _NEGATIVE_ZERO = re.compile(r"-0(?![.eE0-9])")
 _DECODER = json.JSONDecoder(object_pairs_hook=_object, parse_float=_float, parse_constant=_constant)
+# A header with no escape, decoded whole: a key ends in a quote and a colon, which no
+# string of such a text holds (see _at_once).
+_PLAIN_DECODER = json.JSONDecoder(parse_float=_float, parse_constant=_constant)
+_KEY_END = re.compile(r'"[ \t\n\r]*:')
 _SERDE_INT_DECODER = json.JSONDecoder(
     object_pairs_hook=_object, parse_int=_int, parse_float=_float, parse_constant=_constant
 )
@@ -609,7 +718,7 @@ def _check_size(path: str, table: TensorTable, slot: int) -> None:
     """The tensor at ``slot`` holds exactly the bytes its shape needs."""
     dtype = table.dtype(slot)
     count = 1
-    for d in table.shape(slot):  # in order, as safetensors does: no product past 2**64
+    for d in table.dims(slot):  # in order, as safetensors does: no product past 2**64
         count *= d
         if count > USIZE_MAX:
             break

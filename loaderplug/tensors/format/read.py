@@ -38,8 +38,20 @@ def read_header_of(path: Path, fd: int | None = None) -> Header:
 
 
 def _header_of_fd(path: str, fd: int) -> Header:
-    size = os.fstat(fd).st_size
-    n = header_length(path, os.pread(fd, LENGTH_BYTES, 0), size)
+    return header_of_fd(path, fd, os.fstat(fd).st_size)
+
+
+# Read with the header's length: the whole header of most files, in one read.
+FIRST_READ = 16 * 1024
+
+
+def header_of_fd(path: str, fd: int, size: int) -> Header:
+    """Read and validate the header of the file open as ``fd``, ``size`` bytes long:
+    one read where the header is shorter than :data:`FIRST_READ`."""
+    first = os.pread(fd, min(size, FIRST_READ), 0)
+    n = header_length(path, first[:LENGTH_BYTES], size)
+    if LENGTH_BYTES + n <= len(first):
+        return parse_header(path, first[LENGTH_BYTES : LENGTH_BYTES + n], size)
     raw = os.pread(fd, n, LENGTH_BYTES)
     if len(raw) < n:
         raise FormatError(f"{path}: file ended inside its header")

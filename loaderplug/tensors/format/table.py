@@ -65,6 +65,23 @@ def _varints(data: bytearray, begin: int, end: int) -> Iterator[int]:
             value = shift = 0
 
 
+def _shape(data: bytearray, begin: int, end: int) -> tuple[int, ...]:
+    """The varints of ``data[begin:end]`` as a tuple: :func:`_varints` in one call, for
+    the shapes every tensor made is given."""
+    if end - begin == 1:  # one dimension under 128
+        return (data[begin],)
+    dims = []
+    value = shift = 0
+    for at in range(begin, end):
+        byte = data[at]
+        value |= (byte & 0x7F) << shift
+        shift += 7
+        if byte < 0x80:
+            dims.append(value)
+            value = shift = 0
+    return tuple(dims)
+
+
 class _FirstSlots:
     """Each distinct name's slot: an open-addressing table of slot numbers beside the
     low 32 bits of each name's hash, eight bytes an entry, never a Python object a name.
@@ -102,6 +119,9 @@ class _FirstSlots:
                     i = (i + 1) & mask
                 self._slots[i], self._tags[i] = slot, tag
 
+
+# A shape of at most this many bytes of varints is decoded whole.
+SHORT_SHAPE = 64
 
 # Slots sorted at a time where a header's tensors are not in the order of their offsets:
 # the sort's Python integers stay a few megabytes; the runs are then merged.
@@ -144,11 +164,29 @@ class TensorTable:
         self.shape_spans[2 * slot + 1] = len(self.shapes)
         self.begins[slot], self.ends[slot] = begin, end
 
+    def append(self, name: bytes, dtype: str, shape: Iterable[int], begin: int, end: int) -> None:
+        """One more entry, of a name known to be new (a header decoded whole, whose keys
+        were counted): :meth:`add` without the look for an earlier one."""
+        self.names += name
+        self.name_ends.append(len(self.names))
+        self.dtypes.append(_DTYPE_INDEX[dtype])
+        self.shape_spans.append(len(self.shapes))
+        _put_varints(shape, self.shapes)
+        self.shape_spans.append(len(self.shapes))
+        self.begins.append(begin)
+        self.ends.append(end)
+
     def name(self, slot: int) -> bytes:
         return bytes(self.names[self.name_ends[slot - 1] if slot else 0 : self.name_ends[slot]])
 
     def shape(self, slot: int) -> Iterator[int]:
         return _varints(self.shapes, self.shape_spans[2 * slot], self.shape_spans[2 * slot + 1])
+
+    def dims(self, slot: int) -> Iterable[int]:
+        """:meth:`shape`, as a tuple where it is short (a hostile one of a million
+        dimensions stays a generator)."""
+        begin, end = self.shape_spans[2 * slot], self.shape_spans[2 * slot + 1]
+        return _shape(self.shapes, begin, end) if end - begin <= SHORT_SHAPE else self.shape(slot)
 
     def dtype(self, slot: int) -> str:
         return _DTYPE_NAMES[self.dtypes[slot]]
@@ -176,10 +214,12 @@ class TensorTable:
         return array("I", (key & 0xFFFFFFFF for key in keys))
 
     def info(self, slot: int, data_start: int) -> TensorInfo:
-        name = self.name(slot).decode()
-        shape = tuple(self.shape(slot))
+        ends = self.name_ends
+        name = self.names[ends[slot - 1] if slot else 0 : ends[slot]].decode()
+        spans = self.shape_spans
+        shape = _shape(self.shapes, spans[2 * slot], spans[2 * slot + 1])
         begin, end = data_start + self.begins[slot], data_start + self.ends[slot]
-        return TensorInfo(name, self.dtype(slot), shape, begin, end)
+        return TensorInfo(name, _DTYPE_NAMES[self.dtypes[slot]], shape, begin, end)
 
     def done(self) -> None:
         """Parsing is over: what only it needed goes."""
@@ -214,8 +254,9 @@ class Tensors(Sequence[TensorInfo]):
         return self._table.info(slot, self._data_start)
 
     def __iter__(self) -> Iterator[TensorInfo]:
-        for i in range(len(self)):
-            yield self[i]
+        info, start = self._table.info, self._data_start
+        for slot in range(len(self._table)) if self._order is None else self._order:
+            yield info(slot, start)
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Sequence) or isinstance(other, (str, bytes)):

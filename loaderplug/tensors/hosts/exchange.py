@@ -42,7 +42,8 @@ from loaderplug.jobs.partial import partial_for, read_landed
 from loaderplug.plugins.manager import Plugins
 from loaderplug.settings import Settings
 from loaderplug.storage.mounts import filesystem_type
-from loaderplug.tensors.ranks.files import across_hosts, by_name, same_files
+from loaderplug.tensors.ranks.agreement import same_files
+from loaderplug.tensors.ranks.files import across_hosts, by_name
 from loaderplug.tensors.ranks.steps import Steps
 from loaderplug.types import Identity, IOPolicy
 from loaderplug.units import MiB

@@ -38,10 +38,11 @@ from loaderplug.errors import LockError
 from loaderplug.jobs.locks import Lock, folder_lock
 from loaderplug.settings import Settings
 from loaderplug.tensors.hosts.exchange import EXCHANGE_SPAN, Exchanged, HostExchange
-from loaderplug.tensors.ranks.collectives import abandon, collective
-from loaderplug.tensors.ranks.groups import agreed_group, groups_held
+from loaderplug.tensors.ranks.collectives import abandon
+from loaderplug.tensors.ranks.groups import agreed_group, over
 from loaderplug.tensors.ranks.peers import Peer
-from loaderplug.tensors.ranks.steps import Steps, tear_down
+from loaderplug.tensors.ranks.steps import Steps
+from loaderplug.tensors.ranks.teardown import tear_down
 from loaderplug.tensors.ranks.world import Share, World, heartbeat_store, watch
 from loaderplug.units import MiB
 
@@ -114,10 +115,9 @@ def split_across_hosts(
     if settings.host_split == "off":
         return HostsChoice(len(layout), False, "LOADERPLUG_HOST_SPLIT=off")
     here = next(host for host in layout if world.me in host)
-    held = _groups_held_by_each(world)
     host_steps = Steps(share, watch(share, "hosts")) if share is not None else None
     try:
-        return _split_or_wait(paths, local_dir, world, held, here, host_steps, settings)
+        return _split_or_wait(paths, local_dir, world, here, host_steps, settings)
     except BaseException:
         if host_steps is not None and host_steps.pending is not None:
             abandon(host_steps.share.group, host_steps.pending)  # a peer died during it
@@ -127,33 +127,23 @@ def split_across_hosts(
             host_steps.watch.close()
 
 
-def _groups_held_by_each(world: World) -> list[int]:
-    """How many process groups each rank of ``world`` holds now, by rank in its group
-    (the leaders' group is named by them: :mod:`loaderplug.tensors.ranks.groups`)."""
-    import torch.distributed as dist
-
-    held: list[Any] = [None] * len(world.ranks)
-    collective(dist.all_gather_object, held, groups_held(), group=world.group)
-    return held
-
-
 def _split_or_wait(
     paths: Sequence[str | os.PathLike[str]],
     local_dir: str | os.PathLike[str],
     world: World,
-    held: list[int],
     here: list[int],
     host_steps: Steps | None,
     settings: Settings,
 ) -> HostsChoice:
     """The leading rank's part of the split, told to the host's other ranks; the others
     wait for it."""
+    group = _leaders_group(world, host_steps, settings)
     if here[0] != world.me:
         assert host_steps is not None  # a host of more than one rank has a share
         return _wait_for_leader(host_steps)
     files, local = [Path(p) for p in paths], Path(local_dir)
     try:
-        choice = _lead(files, local, world, held, settings, _ticker(host_steps))
+        choice = _lead(files, local, world, group, settings, _ticker(host_steps))
     except Exception as exc:
         if host_steps is None:
             raise
@@ -184,18 +174,33 @@ def _ticker(steps: Steps | None) -> Callable[[], None]:
     return tick
 
 
+def _leaders_group(world: World, host_steps: Steps | None, settings: Settings) -> Any:
+    """The hosts' leading ranks' gloo group, on each of them (None on the other ranks):
+    every rank of ``world`` says what groups it holds, so the leaders name it alike. A
+    rank that fails here tells its host's other ranks, which raise it too."""
+    import torch.distributed as dist
+
+    leaders = tuple(dist.get_global_rank(world.group, host[0]) for host in world.hosts())
+    try:
+        return agreed_group(leaders, over(world.group), settings.distributed_timeout_s)
+    except Exception as exc:
+        if host_steps is None:
+            raise
+        host_steps.fail(exc)
+
+
 def _lead(
     files: list[Path],
     local: Path,
     world: World,
-    held: list[int],
+    group: Any,
     settings: Settings,
     tick: Callable[[], None],
 ) -> HostsChoice:
-    """This host's part of the exchange, among the hosts' leading ranks; ``held``: the
-    groups each rank holds."""
+    """This host's part of the exchange, among the hosts' leading ranks, in their
+    ``group``."""
     layout = world.hosts()
-    steps = _leaders(world, held, settings)
+    steps = _leaders(world, group, settings)
     # Tried, not waited for: a host waiting here would keep the others waiting in a
     # collective. A folder another job holds (or that two hosts share) is not split.
     lock = Lock(folder_lock(local), 0)
@@ -213,16 +218,14 @@ def _lead(
     return HostsChoice(len(layout), split, _why(settings, done, split, len(layout)), done)
 
 
-def _leaders(world: World, held: list[int], settings: Settings) -> Steps:
-    """Steps among the hosts' leading ranks, in a gloo group of their own, each host
-    watched by its heartbeat (a pidfd cannot see another host)."""
+def _leaders(world: World, group: Any, settings: Settings) -> Steps:
+    """Steps among the hosts' leading ranks, in their gloo ``group``, each host watched
+    by its heartbeat (a pidfd cannot see another host)."""
     import torch.distributed as dist
 
     layout = world.hosts()
     leaders = tuple(dist.get_global_rank(world.group, host[0]) for host in layout)
     names = [world.ranks[host[0]].hostname or f"#{i}" for i, host in enumerate(layout)]
-    timeout_s = settings.distributed_timeout_s
-    group = agreed_group(leaders, [held[host[0]] for host in layout], timeout_s)
     here = leaders.index(dist.get_rank())
     peers = tuple(Peer(r, None, names[i]) for i, r in enumerate(leaders) if i != here)
     share = Share(

@@ -7,10 +7,10 @@ import collections
 from collections.abc import Iterator
 from typing import Any
 
-from loaderplug.tensors.delivery.choice import (
+from loaderplug.tensors.delivery.choice import TensorDelivery
+from loaderplug.tensors.delivery.hand_over import (
     FileFinished,
     Idle,
-    TensorDelivery,
     TensorReady,
     raise_if_failed,
 )

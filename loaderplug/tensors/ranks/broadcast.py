@@ -8,9 +8,9 @@ from collections.abc import Iterator
 from typing import Any
 
 from loaderplug.jobs.runner import Runner
-from loaderplug.tensors.delivery.choice import TensorsOf
+from loaderplug.tensors.delivery.hand_over import TensorsOf
 from loaderplug.tensors.device.path import DevicePath
-from loaderplug.tensors.ranks.groups import agreed_group, groups_held
+from loaderplug.tensors.ranks.groups import Gather, agreed_group
 from loaderplug.tensors.ranks.steps import SharedPairs, Steps, each_step
 
 
@@ -33,10 +33,21 @@ def data_group(steps: Steps, device: DevicePath) -> Any:
     share = steps.share
     if device.collective == "gloo":
         return share.group
-    held = [
-        said[1] if said is not None else 0 for said in steps.exchange(("groups", groups_held()))
-    ]
-    return agreed_group(share.global_ranks, held, share.timeout_s, device.collective)
+    return agreed_group(share.global_ranks, _by_steps(steps), share.timeout_s, device.collective)
+
+
+def _by_steps(steps: Steps) -> Gather:
+    """The gather of :func:`agreed_group` as a step of the share: watched, so a peer's
+    death ends it at once."""
+
+    def gather(mine: int) -> dict[int, int]:
+        said = steps.exchange(("groups", mine))
+        return {
+            rank: step[1] if step is not None else 0
+            for rank, step in zip(steps.share.global_ranks, said, strict=True)
+        }
+
+    return gather
 
 
 class BroadcastStep(Iterator[tuple[str, Any]]):

@@ -1,30 +1,28 @@
-"""Which files the ranks (or hosts) of a shared load load: agreed by name, then by what
-each file is.
+"""Which files the ranks (or hosts) of a shared load load: in an order every rank agrees
+on, by name, and each file as a key of what it is.
 
 Ranks that share a load split its files by name and hand each other's tensors over, so
 two ranks given different files under one name (an actor and a reward model, both
-``model-00001-of-00002.safetensors``) would silently get each other's tensors. Before
-sharing, the ranks of a host say each file's name and identity as each sees it (the
-device, inode, size, mtime and ctime: the same file is the same inode), in one exchange
-per load; files that differ fail the load on every rank, saying which rank holds which
-file: never a silent swap, never a hang. Hosts, which see the mirror through mounts of
-their own, agree on the names here and compare each file's size, mtime and header
-digest (:func:`across_hosts`) where they decide whether to split the reads
-(:mod:`loaderplug.tensors.hosts.exchange`): hosts whose files differ each load their own.
+``model-00001-of-00002.safetensors``) would silently get each other's tensors. A file's
+key says what it is: on one host its device, inode, size, mtime and ctime (the same
+file is the same inode); across hosts, which see the mirror through mounts of their
+own, its size and header digest (:func:`across_hosts`). The ranks compare the keys
+before sharing (:func:`~loaderplug.tensors.ranks.agreement.same_files`), and a file
+is checked against its key again when it is held open to be mapped
+(:func:`held_as_said`).
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 from loaderplug.errors import LoaderplugError
 from loaderplug.storage.held import HeldFile
 from loaderplug.storage.mounts import filesystem_type, is_fuse_type
 from loaderplug.tensors.format.header import LENGTH_BYTES, header_length
-from loaderplug.tensors.ranks.steps import Steps
 from loaderplug.types import Identity
 
 # What a member says a file is: comparable with ==, and readable in an error.
@@ -60,8 +58,8 @@ def held_as_said(path: Path, said: FileKey, who: str) -> HeldFile:
     if now != said:
         held.close()
         raise LoaderplugError(
-            f"{path}: not the file {who} loaded ({_describe(now)} against "
-            f"{_describe(said)}): it was replaced meanwhile; load it again once it holds still"
+            f"{path}: not the file {who} loaded ({describe(now)} against "
+            f"{describe(said)}): it was replaced meanwhile; load it again once it holds still"
         )
     return held
 
@@ -79,54 +77,7 @@ def across_hosts(path: Path) -> FileKey:
     return (size, digest)
 
 
-def same_files(
-    steps: Steps,
-    files: Sequence[Path],
-    who: str = "rank",
-    identify: Callable[[Path], FileKey] | None = on_this_host,
-) -> list[FileKey]:
-    """Check that every member of ``steps`` loads the same files: of the same names and,
-    by ``identify`` (None: by name only), the same files under each name; if not, raise
-    the same error on every member, naming the first member that differs from the
-    first (``who``: how members are called in the message). Returns each file's key,
-    as every member has it. A file this member cannot look at fails the load on every
-    member."""
-    try:
-        keys = [identify(path) if identify is not None else () for path in files]
-    except LoaderplugError as exc:
-        steps.fail(exc)
-    said = steps.exchange(("files", [(p.name, k) for p, k in zip(files, keys, strict=True)]))
-    lists = [step[1] if step is not None else [] for step in said]
-    ranks = steps.share.global_ranks
-    names = [[name for name, _ in listed] for listed in lists]
-    differing = next((m for m, theirs in enumerate(names) if theirs != names[0]), None)
-    if differing is not None:
-        raise LoaderplugError(
-            f"the ranks of a shared load must load the same files, and {who} "
-            f"{ranks[differing]} does not: next to rank {ranks[0]}'s, its list "
-            f"{_difference(names[0], names[differing])}; pass every rank the same files"
-        )
-    for member, listed in enumerate(lists):
-        for (name, theirs), mine in zip(listed, lists[0], strict=True):
-            if theirs != mine[1]:
-                raise LoaderplugError(
-                    f"the ranks of a shared load must load the same files, and {who} "
-                    f"{ranks[member]} does not: its {name} is another file than rank "
-                    f"{ranks[0]}'s ({_describe(theirs)} against {_describe(mine[1])}); "
-                    "load files that differ under one name in separate loads, or give "
-                    "them other names"
-                )
-    return keys
-
-
-def _difference(first: list[str], theirs: list[str]) -> str:
-    lacks, more = sorted(set(first) - set(theirs)), sorted(set(theirs) - set(first))
-    parts = [f"lacks {', '.join(lacks)}"] if lacks else []
-    parts += [f"also has {', '.join(more)}"] if more else []
-    return "; ".join(parts) or "has some twice"
-
-
-def _describe(key: FileKey) -> str:
+def describe(key: FileKey) -> str:
     if len(key) == 2:
         return f"size {key[0]}, header sha256 {str(key[1])[:12]}"
     device, inode, size, mtime_ns, ctime_ns = key

@@ -15,8 +15,15 @@ groups each process holds afterwards is what it was plus the group.
 from __future__ import annotations
 
 import datetime
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
+
+from loaderplug.tensors.ranks.collectives import collective
+
+# How the members of a group about to be made hear what each holds: this process's
+# count of groups said to every rank of a group they already share, every rank's count
+# heard back, by rank in the default group (see :func:`over` and :func:`agreed_group`).
+Gather = Callable[[int], Mapping[int, int]]
 
 
 def groups_held() -> int:
@@ -29,18 +36,26 @@ def groups_held() -> int:
 
 
 def agreed_group(
-    members: Sequence[int], held: Sequence[int], timeout_s: float, backend: str = "gloo"
+    members: Sequence[int], gather: Gather, timeout_s: float, backend: str = "gloo"
 ) -> Any:
-    """A group of ``members`` (ranks in the default group, this rank among them), made
-    by them alone; ``held`` is each member's :func:`groups_held`, in the order of
-    ``members``, as gathered just before."""
+    """A group of ``members`` (ranks in the default group), made by them alone, named
+    alike on each of them. Every rank of the group ``gather`` runs on calls this, as
+    it takes part in the gather: each says how many groups it holds now, and those in
+    ``members`` make the group and get it; the others (``members`` empty, or without
+    this rank: a rank that makes no group, or whose host makes its own) get None."""
     import torch.distributed as dist
 
-    me = dist.get_rank()
+    # Counted here, just before the group is made: a count gathered earlier is stale
+    # once this process made or freed a group since.
+    held = gather(groups_held())
+    if dist.get_rank() not in members:
+        return None
     timeout = datetime.timedelta(seconds=timeout_s)
     pads = [
-        dist.new_group([me], timeout=timeout, backend="gloo", use_local_synchronization=True)
-        for _ in range(max(held) - groups_held())
+        dist.new_group(
+            [dist.get_rank()], timeout=timeout, backend="gloo", use_local_synchronization=True
+        )
+        for _ in range(max(held[m] for m in members) - groups_held())
     ]
     try:
         return dist.new_group(
@@ -49,6 +64,19 @@ def agreed_group(
     finally:
         for pad in pads:
             dist.destroy_process_group(pad)
+
+
+def over(group: Any) -> Gather:
+    """The gather of :func:`agreed_group` as one collective on ``group`` (a torch
+    process group every rank of which calls :func:`agreed_group`)."""
+    import torch.distributed as dist
+
+    def gather(mine: int) -> dict[int, int]:
+        said: list[Any] = [None] * dist.get_world_size(group)
+        collective(dist.all_gather_object, said, mine, group=group)
+        return {dist.get_global_rank(group, r): n for r, n in enumerate(said)}
+
+    return gather
 
 
 def forget_address(group: Any) -> None:

@@ -10,7 +10,7 @@ from typing import Any
 
 from loaderplug.errors import LoaderplugError
 from loaderplug.jobs.runner import Runner
-from loaderplug.tensors.delivery.choice import TensorsOf
+from loaderplug.tensors.delivery.hand_over import TensorsOf
 from loaderplug.tensors.delivery.tensor_sinks import MappedTensors
 from loaderplug.tensors.device.path import DevicePath
 from loaderplug.tensors.format.read import read_header_of

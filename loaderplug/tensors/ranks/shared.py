@@ -52,13 +52,15 @@ from loaderplug.tensors.delivery.choice import TensorDelivery
 from loaderplug.tensors.delivery.load import Load
 from loaderplug.tensors.delivery.plan import load_plan
 from loaderplug.tensors.device.path import DevicePath
+from loaderplug.tensors.ranks.agreement import agreed_mode, same_files
 from loaderplug.tensors.ranks.batches import STREAM_BATCH, LandedBatches
 from loaderplug.tensors.ranks.broadcast import by_broadcast, data_group
-from loaderplug.tensors.ranks.files import FileKey, by_name, same_files
+from loaderplug.tensors.ranks.files import FileKey, by_name
 from loaderplug.tensors.ranks.mode import SharingMode, owners, rank_part, sharing_mode
 from loaderplug.tensors.ranks.pagecache import by_page_cache
-from loaderplug.tensors.ranks.steps import SharedPairs, Steps, agreed, free_groups, tear_down
+from loaderplug.tensors.ranks.steps import SharedPairs, Steps
 from loaderplug.tensors.ranks.stream import by_stream
+from loaderplug.tensors.ranks.teardown import free_groups, tear_down
 from loaderplug.tensors.ranks.world import Share, World, share_for, watch, world_of
 
 __all__ = [
@@ -133,7 +135,7 @@ def _shared_pairs(
         keys = same_files(steps, files)  # the files each rank loads, the same on all
         owner = owners(_sizes(files, steps), share.size)
         mine = [f for f, r in zip(files, owner, strict=True) if r == share.rank]
-        mode = agreed(steps, sharing_mode(files, device.device, local, settings))
+        mode = agreed_mode(steps, sharing_mode(files, device.device, local, settings))
         if mode in ("pagecache", "stream"):
             # Buffered, so what this rank reads (and writes) stays in the page cache for
             # the others to map; this rank maps it too (the file read in place, or the

@@ -1,11 +1,14 @@
 """The steps of a shared load: the ranks advance all together, each saying at every
 step (through one small collective) what it has done since the last one, and an error
 on any rank is raised on every rank. Each collective is waited for in short slices with
-an eye on the peers' processes, so a death ends the wait at once."""
+an eye on the peers' processes, so a death ends the wait at once.
+
+How the steps end (the watch stopped, the groups freed) is
+:mod:`~loaderplug.tensors.ranks.teardown`; what the ranks agree on in them (the sharing
+mode, the files) is :mod:`~loaderplug.tensors.ranks.agreement`."""
 
 from __future__ import annotations
 
-import functools
 import logging
 import pickle
 from collections.abc import Callable, Generator, Iterator
@@ -13,15 +16,7 @@ from pathlib import Path
 from typing import Any, NoReturn, Protocol
 
 from loaderplug.errors import DistributedError, LoaderplugError
-from loaderplug.tensors.ranks.collectives import (
-    WAKE,
-    abandon,
-    collective,
-    completed_well,
-    stopped_answering,
-)
-from loaderplug.tensors.ranks.groups import forget_address
-from loaderplug.tensors.ranks.mode import SharingMode
+from loaderplug.tensors.ranks.collectives import WAKE, collective, completed_well, stopped_answering
 from loaderplug.tensors.ranks.peers import PeerWatch
 from loaderplug.tensors.ranks.world import Share
 
@@ -127,54 +122,6 @@ class Steps:
                 raise stopped_answering(exc) from exc
 
 
-def tear_down(steps: Steps, groups: list[Any]) -> None:
-    """End the load's steps: stop watching the peers and free the load's groups, every
-    one of them. A failure here is logged, never raised: it would hide the load's own
-    error, if there is one."""
-    # Past the last exchange (or failed everywhere): the peers may exit as they like.
-    _quietly(steps.watch.close, "stop watching the other ranks")
-    free_groups(groups, steps.pending)
-
-
-def free_groups(groups: list[Any], pending: Any = None) -> None:
-    """Free a load's ``groups`` (left behind, their threads abort the process at exit);
-    with a collective still ``pending`` (a peer died during it), keep them for good."""
-    import torch.distributed as dist
-
-    for group in {id(g): g for g in groups}.values():
-        if pending is not None:
-            abandon(group, pending)
-        else:
-            _quietly(functools.partial(forget_address, group), "forget the address of a group")
-        _quietly(functools.partial(dist.destroy_process_group, group), "free a group")
-
-
-def _quietly(action: Callable[[], object], what: str) -> None:
-    try:
-        action()
-    except Exception:
-        log.warning("loaderplug: could not %s of a shared load", what, exc_info=True)
-
-
-def cannot_map(path: Path, exc: Exception) -> Exception:
-    """The error of another rank's file this rank could not map: ``exc`` itself, or,
-    for an OSError, a :class:`LoaderplugError` naming the file (caused by it)."""
-    if not isinstance(exc, OSError):
-        return exc
-    try:
-        raise LoaderplugError(f"cannot map {path.name}: {exc}") from exc
-    except LoaderplugError as error:  # raised, so that it carries where it happened
-        return error
-
-
-def agreed(steps: Steps, mode: SharingMode) -> SharingMode:
-    """Rank 0's sharing mode, on every rank: a local copy published between two ranks'
-    looks at it would have them share in different ways."""
-    first = steps.exchange(("mode", mode))[0]
-    assert first is not None and first[0] == "mode"
-    return first[1]  # type: ignore[no-any-return]
-
-
 class Step(Protocol):
     """One step of a per-tensor share (see :func:`each_step`)."""
 
@@ -208,3 +155,14 @@ def each_step(
             steps.fail(step.error)
         if all(s is None for s in said):
             return
+
+
+def cannot_map(path: Path, exc: Exception) -> Exception:
+    """The error of another rank's file this rank could not map: ``exc`` itself, or,
+    for an OSError, a :class:`LoaderplugError` naming the file (caused by it)."""
+    if not isinstance(exc, OSError):
+        return exc
+    try:
+        raise LoaderplugError(f"cannot map {path.name}: {exc}") from exc
+    except LoaderplugError as error:  # raised, so that it carries where it happened
+        return error

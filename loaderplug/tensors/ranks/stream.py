@@ -13,7 +13,8 @@ from typing import Any
 
 from loaderplug.jobs.partial import open_copy
 from loaderplug.jobs.runner import Runner
-from loaderplug.tensors.delivery.choice import Idle, TensorDelivery, TensorReady
+from loaderplug.tensors.delivery.choice import TensorDelivery
+from loaderplug.tensors.delivery.hand_over import Idle, TensorReady
 from loaderplug.tensors.delivery.tensor_sinks import MappedFile
 from loaderplug.tensors.device.path import DevicePath
 from loaderplug.tensors.format.header import Header

@@ -14,7 +14,7 @@ from typing import Any
 
 from loaderplug.settings import Settings
 from loaderplug.tensors.ranks.collectives import collective
-from loaderplug.tensors.ranks.groups import agreed_group, groups_held
+from loaderplug.tensors.ranks.groups import agreed_group, over
 from loaderplug.tensors.ranks.peers import Heartbeats, Peer, PeerWatch, pid_namespace
 
 
@@ -79,24 +79,30 @@ def world_of(
 def share_for(world: World | None, settings: Settings) -> Share | None:
     """The ranks on this host that share a load with this one, or None to load alone
     (no ``world``, or it has one rank here). Ranks share a host when they share its
-    filesystems (see :func:`host_id`)."""
+    filesystems (see :func:`host_id`). Every rank of ``world`` calls this: they all say
+    what groups each holds, so that each host's group is named alike on its members."""
     if world is None:
         return None
     import torch.distributed as dist
 
     group, ranks, me_here = world.group, world.ranks, world.ranks[world.me]
-    here = next(members for members in world.hosts() if world.me in members)
+    layout = world.hosts()
+    if all(len(host) <= 1 for host in layout):
+        return None  # so every rank, alike: no host makes a group, nothing to gather
+    here = next(host for host in layout if world.me in host)
     members = tuple(dist.get_global_rank(group, r) for r in here)
-    if len(members) <= 1:
+    # Every rank of the group takes part in the gather; only this host's ranks make
+    # their group (every host makes its own), and a rank alone here makes none.
+    own = agreed_group(
+        members if len(members) > 1 else (), over(group), settings.distributed_timeout_s
+    )
+    if own is None:
         return None
     peers = tuple(
         Peer(dist.get_global_rank(group, r), ranks[r].pid if _visible(me_here, ranks[r]) else None)
         for r in here
         if r != world.me
     )
-    # Only this host's ranks take part in making their group (every host makes its own).
-    held = [ranks[r].groups for r in here]
-    own = agreed_group(members, held, settings.distributed_timeout_s)
     me = members.index(dist.get_rank())
     beats = heartbeat_store(own, world.load_id) if any(p.pid is None for p in peers) else None
     return Share(own, me, len(members), members, settings.distributed_timeout_s, peers, beats)
@@ -148,7 +154,6 @@ class RankProcess:
     # The settings the hosts' split must agree on (rank 0's are used): LOADERPLUG_HOST_SPLIT,
     # LOADERPLUG_SPAN_BYTES (0: unset) and LOADERPLUG_SPLIT_THRESHOLD_BYTES.
     split: tuple[str, int, int] = ("auto", 0, 0)
-    groups: int = 0  # the process groups it holds (see loaderplug.tensors.ranks.groups)
     # A random name for the load, drawn by every rank and gathered with the rest, of
     # which rank 0's is the load's (World.load_id): the ranks agree on it in the
     # collective that starts every shared load, so it costs none of its own. Drawn,
@@ -168,7 +173,6 @@ class RankProcess:
             pid_namespace(),
             socket.gethostname(),
             split,
-            groups_held(),
             secrets.token_hex(8),
         )
 
