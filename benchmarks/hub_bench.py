@@ -313,10 +313,11 @@ def contenders(work: Path, mnt: Path) -> dict[str, tuple[Path | None, dict[str, 
 
 
 def check_requests(server: Any, name: str, figures: dict) -> None:
-    """Worker 2 asks which commit main names (one request, as stock does); transformers
+    """Worker 2 asks which commit main names (one request, as stock does) and the
+    commit's file listing (the Hub, not the mirror, says what a commit holds); transformers
     makes its own API calls; no file may come from the Hub but for the stock downloads."""
     api = figures["requests"] - figures["file_requests"]
-    allowed = {HUB: None, TF_HUB: None, LOADERPLUG: 1, TF_LOADERPLUG: api}
+    allowed = {HUB: None, TF_HUB: None, LOADERPLUG: 2, TF_LOADERPLUG: api}
     most = allowed.get(name, 0)
     too_many = most is not None and (figures["file_requests"] or api > most)
     if too_many:

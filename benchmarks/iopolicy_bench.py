@@ -159,7 +159,8 @@ def measure(size: int, rounds: int) -> tuple[list[dict[str, Any]], list[dict[str
     profile = VolumeProfile(
         per_stream_bytes_per_s=40 * MiB, mount_bytes_per_s=640 * MiB, latency_s=0.002
     )
-    probes, cases = [], []
+    probes: list[dict[str, Any]] = []
+    cases: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="iopolicy-", dir=os.environ.get("BENCH_DIR")) as tmp:
         root = Path(tmp)
         model = root / "m" / "model"

@@ -337,7 +337,9 @@ def local_ranks_table(model: Path, worlds: list[int]) -> tuple[str, list[dict[st
     model_bytes = sum(f.stat().st_size for f in files)
     stat = block_device_of(files[0])
     rows = [
-        local_ranks_row(label, model, world, stat) for world in worlds for label in LOCAL_CONTENDERS
+        local_ranks_row(label, model, world, files, model_bytes, stat)
+        for world in worlds
+        for label in LOCAL_CONTENDERS
     ]
     return local_ranks_lines(rows, worlds, model_bytes), rows
 

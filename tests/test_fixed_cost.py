@@ -17,6 +17,7 @@ import pytest
 from loaderplug import hookimpl
 from loaderplug.errors import FormatError
 from loaderplug.storage import io_policy as io_policy_module
+from loaderplug.storage import mounts
 from loaderplug.storage.mounts import filesystem_type, is_buffered_type
 from loaderplug.tensors.delivery import choice
 from loaderplug.tensors.format import header as header_module
@@ -51,19 +52,22 @@ def warm(paths: list[Path]) -> None:
         p.read_bytes()
 
 
-def test_a_load_decides_a_mount_once_and_asks_the_page_cache_once_a_file(
+def test_a_load_reads_the_mount_table_once_a_process_and_the_page_cache_once_a_file(
     shards: list[Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     warm(shards)
     calls: Counter[str] = Counter()
-    counting(monkeypatch, manager, "filesystem_type", calls)
+    counting(monkeypatch, mounts, "find_mount", calls)
     counting(monkeypatch, io_policy_module, "cached_fraction", calls)
     counting(monkeypatch, choice, "cached_fraction", calls)
-    for _ in range(2):  # each load decides for itself
+    monkeypatch.setattr(mounts, "_types", {})  # as in a process's first load
+    for load in range(2):
         calls.clear()
         got, modes = loaded(shards)
         assert all(same(got[k], v) for k, v in reference(shards).items())
-        assert calls["filesystem_type"] == 1, calls  # three files, one mount
+        # Each file's mount is asked by its path; the table is read at most once, by
+        # the first load, and only where the statfs magic does not name the filesystem.
+        assert calls["find_mount"] <= (1 if load == 0 else 0), calls
         # The policy asks of a local block filesystem's file; the delivery never asks again.
         asked = 0 if is_buffered_type(filesystem_type(shards[0])) else len(shards)
         assert calls["cached_fraction"] == asked, calls
@@ -227,3 +231,64 @@ def test_a_whole_file_s_header_is_read_in_one_read(tmp_path: Path) -> None:
         header = header_of_fd(str(path), f.fileno(), path.stat().st_size)
     assert len(reads) == 1
     assert [t.name for t in header.tensors] == ["a"]
+
+
+def test_a_file_moved_to_another_mount_after_listing_gets_that_mount_s_policy_alone(
+    tmp_path: Path,
+) -> None:
+    from loaderplug.settings import from_env
+
+    shm = Path("/dev/shm")
+    if not shm.is_dir() or filesystem_type(shm) == filesystem_type(tmp_path):
+        pytest.skip("needs /dev/shm on another filesystem than the test folder")
+    a, b = tmp_path / "a.safetensors", tmp_path / "b.safetensors"
+    b.write_bytes(b"x" * 4096)
+    elsewhere = shm / f"loaderplug-test-{tmp_path.name}"
+    elsewhere.write_bytes(b"x" * 4096)
+    try:
+        a.symlink_to(elsewhere)  # a file replaced, since it was listed, by one elsewhere
+        plugins = manager.Plugins(from_env({}))
+        assert plugins.file_policy(a).policy.fs_type == filesystem_type(elsewhere)
+        assert plugins.file_policy(b).policy.fs_type == filesystem_type(tmp_path)
+    finally:
+        elsewhere.unlink()
+
+
+def test_a_mapped_file_swapped_for_a_fifo_after_listing_fails_instead_of_hanging(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import os
+    import threading
+
+    from safetensors.torch import save_file
+
+    from loaderplug.errors import LoaderplugError
+
+    path = tmp_path / "m.safetensors"
+    save_file({"a": torch.zeros(4)}, str(path))
+    path.read_bytes()
+    prepare = choice.TensorDelivery.prepare
+
+    def swapped_then_prepared(self: Any, entry: Any, *args: Any, **kwargs: Any) -> Any:
+        path.unlink()
+        os.mkfifo(path)
+        return prepare(self, entry, *args, **kwargs)
+
+    monkeypatch.setattr(choice.TensorDelivery, "prepare", swapped_then_prepared)
+    said: list[BaseException] = []
+
+    def load() -> None:
+        try:
+            dict(iter_tensors([path], progress=False))
+        except BaseException as exc:
+            said.append(exc)
+
+    loading = threading.Thread(target=load, daemon=True)
+    loading.start()
+    loading.join(60)
+    hung = loading.is_alive()
+    if hung:  # a writer lets the blocked open return, so the thread can end
+        os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+    assert not hung, "the load hangs on a FIFO"
+    assert said and isinstance(said[0], LoaderplugError), said
+    assert "not a regular file" in str(said[0])

@@ -204,7 +204,7 @@ class Runner:
         if delivery is None:
             policy = self._policy(entry.source)
         else:  # whether a file to load is in the page cache is its own
-            policy, cached = self.plugins.file_policy(entry.source, entry.identity.device)
+            policy, cached = self.plugins.file_policy(entry.source)
         sinks, resume = self._copy_sinks(entry, prepared)
         mode = f"{'direct' if policy.direct else 'buffered'} ({policy.reason}){note}"
         if delivery is not None:

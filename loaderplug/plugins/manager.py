@@ -171,7 +171,6 @@ class Plugins:
         # Held for the job, as the plugins were when it asked first: one registered
         # meanwhile applies to the jobs that follow (see register).
         self._impls: dict[str, list[Any]] = {}
-        self._fs_types: dict[int, str] = {}  # each mount's, by its device
 
     def _answerers(self, name: str) -> list[Any]:
         """The implementations of the hook ``name`` that take part in this job, the last
@@ -220,19 +219,18 @@ class Plugins:
         )
         return policy
 
-    def file_policy(self, path: Path, device: int) -> FilePolicy:
-        """The policy of a file a job reads (``device``: its filesystem's, 0 if unknown)
-        and the share of it in the page cache where the policy asked. Where the built-in
-        answers alone, what it decides for a whole mount (its filesystem's type) is
-        decided once a job, and the page cache asked once a file, here; a plugin's hook
-        is asked for each file, as it may answer each its own way."""
+    def file_policy(self, path: Path) -> FilePolicy:
+        """The policy of a file a job reads and the share of it in the page cache where
+        the policy asked. Where the built-in answers alone, it is decided here without
+        the hook's machinery, the page cache asked once a file (the delivery reuses the
+        answer); a plugin's hook is asked for each file, as it may answer each its own
+        way."""
         if not self.builtin_alone("loaderplug_io_policy"):
             return FilePolicy(self.io_policy(path), NOT_ASKED)
-        fs_type = self._fs_types.get(device) if device else None
-        if fs_type is None:
-            fs_type = filesystem_type(path)
-            if device:
-                self._fs_types[device] = fs_type
+        # Asked of the path itself (its mount is known by device and statfs magic, each
+        # mount's type read once a process): a file replaced by one on another mount
+        # since it was listed gets that mount's answer, never its neighbours'.
+        fs_type = filesystem_type(path)
         settings = self.settings
         return decided(path, fs_type, settings.direct_io, measure=settings.io_probe, is_file=True)
 

@@ -39,6 +39,7 @@ from loaderplug.settings import Settings
 from loaderplug.storage.held import HeldFile
 from loaderplug.storage.mounts import MEMORY_TYPES
 from loaderplug.storage.residency import NOT_ASKED, WARM_FRACTION, cached_fraction
+from loaderplug.storage.state_files import open_regular
 from loaderplug.tensors.delivery.hand_over import (
     Event,
     FileFinished,
@@ -282,7 +283,9 @@ class TensorDelivery:
         inode = policy.stable_inodes
 
         def read() -> tuple[Header, HeldFile]:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            # A regular file only, and without blocking: a source swapped for a FIFO or a
+            # device since it was listed fails here instead of hanging the load.
+            fd = open_regular(path, os.O_RDONLY, follow=True)
             try:
                 now = Identity.of(os.fstat(fd))
                 if not now.matches(entry.identity, inode=inode):

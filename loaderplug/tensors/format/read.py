@@ -48,11 +48,28 @@ FIRST_READ = 16 * 1024
 def header_of_fd(path: str, fd: int, size: int) -> Header:
     """Read and validate the header of the file open as ``fd``, ``size`` bytes long:
     one read where the header is shorter than :data:`FIRST_READ`."""
-    first = os.pread(fd, min(size, FIRST_READ), 0)
+    first = pread_fully(fd, min(size, FIRST_READ), 0)
     n = header_length(path, first[:LENGTH_BYTES], size)
     if LENGTH_BYTES + n <= len(first):
         return parse_header(path, first[LENGTH_BYTES : LENGTH_BYTES + n], size)
-    raw = os.pread(fd, n, LENGTH_BYTES)
+    raw = pread_fully(fd, n, LENGTH_BYTES)
     if len(raw) < n:
         raise FormatError(f"{path}: file ended inside its header")
     return parse_header(path, raw, size)
+
+
+def pread_fully(fd: int, length: int, offset: int) -> bytes:
+    """``length`` bytes at ``offset``, fewer only at the end of the file: a network or
+    FUSE filesystem may return a read short of what is there."""
+    first = os.pread(fd, length, offset)
+    if len(first) == length or not first:
+        return first
+    parts = [first]
+    got = len(first)
+    while got < length:
+        more = os.pread(fd, length - got, offset + got)
+        if not more:
+            break
+        parts.append(more)
+        got += len(more)
+    return b"".join(parts)
