@@ -19,21 +19,14 @@ import pytest
 from loaderplug import hydrate, sync
 from loaderplug.jobs.model_folder import MANIFEST_NAME
 from tests.conftest import FAST, tree_bytes
+from tests.helpers.cli import ENV, run_cli
 from tests.helpers.hostile_trees import chain, links_leaving, make_sentinel, snapshot
 
 REPO = Path(__file__).resolve().parent.parent
-ENV = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO), "LOADERPLUG_IO_PROBE": "0"}
 
 
 def cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "loaderplug", *args],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        env=ENV,
-        timeout=120,
-    )
+    return run_cli(*args)
 
 
 @pytest.fixture

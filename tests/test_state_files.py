@@ -27,6 +27,7 @@ from loaderplug.storage.mounts import MEMORY_TYPES, filesystem_type
 from loaderplug.types import Identity
 from loaderplug.units import MiB
 from tests.conftest import drop_from_page_cache, tree_bytes
+from tests.helpers.cli import run_cli
 
 REPO = Path(__file__).resolve().parent.parent
 # Far longer than any of these runs takes; what it catches is a run that never ends.
@@ -41,15 +42,7 @@ def _limited() -> None:
 
 
 def loaderplug(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "loaderplug", *args],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO), "LOADERPLUG_IO_PROBE": "0"},
-        timeout=RUN_LIMIT_S,
-        preexec_fn=_limited,
-    )
+    return run_cli(*args, timeout=RUN_LIMIT_S, preexec_fn=_limited)
 
 
 def copy_job(job: str, model: Path, tmp_path: Path) -> tuple[Path, Path]:

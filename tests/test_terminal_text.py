@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 from loaderplug.jobs.model_folder import MANIFEST_NAME
 from loaderplug.report import printable
+from tests.helpers.cli import run_cli
 
 REPO = Path(__file__).resolve().parent.parent
 # Erase the line, go back to its start, and write a report line of one's own.
@@ -18,14 +18,7 @@ FORGED = "\x1b[2K\rhydrate done: 0 failed\nloaderplug: all files verified"
 
 
 def loaderplug(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "loaderplug", *args],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO), "LOADERPLUG_IO_PROBE": "0"},
-        timeout=120,
-    )
+    return run_cli(*args)
 
 
 def raw_control(text: str) -> list[str]:
