@@ -99,8 +99,15 @@ class FileTask:
                 self.rel, "failed", self.size, str(exc), errno=os_errno, range=rng
             )
             self._done = True
+        # A failure that leaves what landed good (the load's source stopped answering,
+        # not a bad byte) keeps a partial copy and its journal for a rerun to resume.
+        keep = getattr(exc, "resumable", False)
         for sink in self.sinks:
-            sink.abort()
+            leave = getattr(sink, "leave", None)
+            if keep and leave is not None:
+                leave()
+            else:
+                sink.abort()
         return True
 
     def finished(self, result: FileResult) -> None:

@@ -123,7 +123,8 @@ class Plan:
     removed once the lock is held. ``finish`` runs under the lock once every file is
     done (a sync writes its manifest there). ``around`` makes a context the whole job
     runs in, once the locks are held (a sync's mark on the mirror). ``delivery`` hands
-    the files' contents over as they land (a load).
+    the files' contents over as they land (a load). ``open_source`` replaces the
+    plugins' sources for the job's reads.
     """
 
     job: str
@@ -136,3 +137,7 @@ class Plan:
     delivery: Delivery | None = None
     finish: Callable[[Listing, TransferReport], None] | None = None
     around: Callable[[], AbstractContextManager[Any]] | None = None
+    # The engine reads the files' bytes through this instead of the plugins' sources
+    # (a load split across hosts: the exchange answers its reads); with a ``cancel()``,
+    # called when the engine is cancelled, so that no read waits on after it.
+    open_source: Opener | None = None

@@ -211,7 +211,7 @@ class Runner:
             sink = delivery.prepare(
                 entry,
                 policy,
-                self.plugins.open_source,
+                self.plan.open_source or self.plugins.open_source,
                 cached=cached,
                 plain=self._plain_sources,
             )
@@ -265,7 +265,9 @@ class Runner:
         """Whether the built-in opens every source: a file's bytes are then those of the
         file on its filesystem, and a delivery may read them through a descriptor of
         its own."""
-        return self.plugins.builtin_alone("loaderplug_open_source")
+        return self.plan.open_source is None and self.plugins.builtin_alone(
+            "loaderplug_open_source"
+        )
 
     # -- the engine ---------------------------------------------------------------------
 
@@ -284,7 +286,7 @@ class Runner:
             job = self.plan.job
             stats = yield from delivery.deliver(
                 (lambda: engine.run(prepared.tasks)) if engine else None,
-                engine.cancel if engine else lambda: None,
+                self._cancel(engine),
                 (lambda rel, name, item: notify(job, rel, name, item))
                 if self.plugins.watches_tensors()
                 else None,
@@ -293,6 +295,18 @@ class Runner:
             return stats or _no_stats(self.settings)
         finally:
             self._progress.close()
+
+    def _cancel(self, engine: Engine | None) -> Callable[[], None]:
+        """What stops the engine, and the plan's own source's waits with it."""
+        cancel_source = getattr(self.plan.open_source, "cancel", None)
+
+        def cancel() -> None:
+            if engine is not None:
+                engine.cancel()
+            if cancel_source is not None:
+                cancel_source()
+
+        return cancel
 
     # -- after the engine ---------------------------------------------------------------
 
@@ -368,7 +382,7 @@ def _engine_for(
     readers = max(1, min(sizing.workers, spans))
     limit: ConcurrencyLimit = AdaptiveLimit(readers) if sizing.adaptive else FixedLimit(readers)
     engine = Engine(
-        open_source=plugins.open_source,
+        open_source=plan.open_source or plugins.open_source,
         limit=limit,
         chunk=sizing.chunk,
         split_threshold=threshold,

@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 import warnings
 from collections.abc import Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from loaderplug.jobs.runner import Runner
@@ -27,7 +28,8 @@ from loaderplug.settings import Settings, from_env
 from loaderplug.tensors.delivery.load import Load, Pairs, RunnerPairs
 from loaderplug.tensors.delivery.plan import load_plan
 from loaderplug.tensors.device.path import device_path_for, within_device_budget
-from loaderplug.tensors.hosts.split import split_across_hosts
+from loaderplug.tensors.hosts.split import SplitPairs, split_across_hosts
+from loaderplug.tensors.ranks.files import by_name
 from loaderplug.tensors.ranks.shared import share_for, shared_tensors, world_of
 from loaderplug.tensors.ranks.teardown import free_groups
 
@@ -77,14 +79,25 @@ def iter_tensors(
         world = world_of(group, settings, local_dir)
         share = share_for(world, settings)
         try:
-            load.hosts = split_across_hosts(paths, local_dir, world, share, settings)
+            split = split_across_hosts(paths, local_dir, world, share, settings)
         except BaseException:
             if share is not None:
                 free_groups([share.group])
             raise
+        if split is not None:
+            load.hosts = split
+            load.at_end(split.finish)  # a load that did not complete abandons its rounds
+            settings = split.load_settings(settings)
         if share is not None:
-            return shared_tensors(paths, path, local_dir, settings, share, load)
-        return RunnerPairs(Runner(load_plan(paths, path, settings, local_dir), settings), load)
+            return shared_tensors(paths, path, local_dir, settings, share, load, split)
+        if split is None or split.opener is None:
+            return RunnerPairs(Runner(load_plan(paths, path, settings, local_dir), settings), load)
+        # The files in the order the hosts exchange them: the engine asks for each span
+        # about when it arrives.
+        plan = load_plan(
+            by_name([Path(p) for p in paths]), path, settings, local_dir, open_source=split.opener
+        )
+        return SplitPairs(RunnerPairs(Runner(plan, settings), load), split)
 
     return Load(start, stats)
 

@@ -13,6 +13,7 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
+from loaderplug.engine.buffers import Opener
 from loaderplug.errors import FileError
 from loaderplug.jobs.file_sink import temps_of
 from loaderplug.jobs.locks import file_lock, folder_lock
@@ -33,6 +34,7 @@ def load_plan(
     lock_each_file: bool = False,
     through_page_cache: bool = False,
     shared_by_ranks: bool = False,
+    open_source: Opener | None = None,
 ) -> Plan:
     """The plan of a load: each file read in place, or with ``local_dir`` hydrated there
     (same name) in the same pass, under that folder's lock (with ``lock_each_file``,
@@ -41,7 +43,8 @@ def load_plan(
     through the page cache, and its tensors are views of it; not where the copies go to
     a network filesystem, whose pages other processes cannot share. Which files in
     memory are mapped is the load's :class:`~loaderplug.tensors.delivery.map_rule.MapRule`
-    (``shared_by_ranks``: the ranks' own, which maps only own local copies)."""
+    (``shared_by_ranks``: the ranks' own, which maps only own local copies).
+    ``open_source``: what the engine reads the files through (a split across hosts)."""
     files = [Path(p) for p in paths]
     local = Path(local_dir) if local_dir is not None else None
     if local is not None and is_network_type(filesystem_type(local)):
@@ -75,6 +78,7 @@ def load_plan(
             through_page_cache=through_page_cache,
             map_rule=MapRule.of(settings, local, shared_by_ranks=shared_by_ranks),
         ),
+        open_source=open_source,
     )
 
 

@@ -1,7 +1,9 @@
-"""The reads of a one pass split between hosts: each host reads its share of the
-model's spans from its own mount of the mirror, and the hosts exchange every span over
-a gloo group of one rank per host, so each host writes the whole model into its local
-copy and the mirror is read once in all.
+"""The reads of a load split between hosts: each host reads its share of the model's
+spans from its own mount of the mirror, and the hosts exchange every span over a gloo
+group of one rank per host, so the mirror is read once in all. What each host read or
+received goes to its :class:`~loaderplug.tensors.hosts.feed.SpanFeed`, which its load's
+engine reads as it would the mirror: tensors are handed over, and a one pass's local
+copy written, as the spans arrive.
 
 The hosts advance in rounds, all together (:class:`~loaderplug.tensors.ranks.steps.Steps`:
 watched, an error on any host raised on every host). At each round every host says
@@ -11,20 +13,21 @@ travel, the host's readers read its next spans. Where the spans go:
 
 * a span some host already has (its current copy, or its partial copy of a killed run)
   is read by that host from its own disk: a rerun resumes from what landed anywhere;
-* any other span by the host ``index % hosts``, round-robin over the spans in
-  offset-major order, so every host reads about 1/H of every file;
+* any other span by the host ``index % hosts``, round-robin over the spans in the order
+  the loads read them (file by file), so every host reads about 1/H of every file and
+  the spans arrive in the order each host's engine asks for them;
 * a span a host could not read (its retries spent: EIO, ESTALE) by the next host that
   did not fail it; one no host can read fails the load on every host, naming it.
 
-Each host writes what it lacks into the partial copy a one pass would, journalled, and
-publishes a file by rename only when every span landed, once every host said its
-sources did not change meanwhile. A failure leaves the partial copies and their
-journals for the next run.
+Each span read from the mirror is checked against the identity the hosts agreed on, so
+a file replaced mid-load fails the load on every host; each host's engine publishes its
+local copy, as any one pass does, only once every span landed and its mirror's file did
+not change. A failure leaves the partial copies and their journals for the next run.
 """
 
 from __future__ import annotations
 
-import functools
+import hashlib
 import os
 import time
 from collections.abc import Callable
@@ -34,16 +37,17 @@ from pathlib import Path
 from typing import Any
 
 from loaderplug.engine.retry import RetryPolicy, retrying
-from loaderplug.engine.spans import Landed, Span, offset_major
+from loaderplug.engine.spans import Landed, Span, file_major
 from loaderplug.errors import DistributedError, FileError, LoaderplugError
 from loaderplug.jobs.current_copy import is_current_copy
-from loaderplug.jobs.file_sink import FileSink, file_sink
 from loaderplug.jobs.partial import partial_for, read_landed
 from loaderplug.plugins.manager import Plugins
 from loaderplug.settings import Settings
 from loaderplug.storage.mounts import filesystem_type
+from loaderplug.tensors.format.header import LENGTH_BYTES, header_length
+from loaderplug.tensors.hosts.feed import SpanFeed
 from loaderplug.tensors.ranks.agreement import same_files
-from loaderplug.tensors.ranks.files import across_hosts, by_name
+from loaderplug.tensors.ranks.files import by_name
 from loaderplug.tensors.ranks.steps import Steps
 from loaderplug.types import Identity, IOPolicy
 from loaderplug.units import MiB
@@ -72,6 +76,9 @@ class HostFile:
     # The SHA-256 of its header: two hosts' mirrors holding files of one size and mtime
     # but another layout are told apart before any span is exchanged.
     header_digest: str = ""
+    # Its first bytes up to the end of the header, as this host read them (empty where
+    # it could not): a host whose mount fails there plans its load from another's.
+    header: bytes = b""
 
     def has(self, span: Span) -> bool:
         return self.current or Landed(self.landed).covers(span.offset, span.length)
@@ -94,51 +101,62 @@ class Exchanged:
 
 
 class HostExchange:
-    """One pass's hydrate of ``files`` into ``local`` on every host of ``steps``; with
-    ``keep_going(exchanged)`` asked after the round that measured the rates (False:
-    stop, each host reads the rest alone)."""
+    """The exchange of ``files`` among the hosts of ``steps``, into this host's ``feed``:
+    :meth:`prepare` (the hosts agree on the files and on who reads what), then
+    :meth:`rounds` (in a thread of its own while the load reads the feed). With
+    ``keep_going(exchanged)`` asked after the round that measured the rates (False: stop,
+    each host reads the rest alone)."""
 
     def __init__(
         self,
         files: list[Path],
-        local: Path,
+        local: Path | None,
         steps: Steps,
         settings: Settings,
-        tick: Callable[[], None],
+        feed: SpanFeed,
         keep_going: Callable[[Exchanged], bool] | None = None,
     ) -> None:
         # By name, the same on every host whatever order each was given them in: a span
         # names its file by its index here.
         self.files, self.local, self.steps = by_name(files), local, steps
-        self.settings = settings
-        self.tick, self.keep_going = tick, keep_going
+        self.settings, self.feed, self.keep_going = settings, feed, keep_going
         self.hosts, self.me = steps.share.size, steps.share.rank
         self.span = settings.span_bytes or EXCHANGE_SPAN  # agreed by the hosts' caller
         self.done = Exchanged()
         self._measured = [0.0, 0.0]  # bytes received, seconds, in the measured gathers
-        self.finished = False  # every span landed on every host, and was published
+        self._spans: list[Span] = []
+        self._states: list[list[HostFile]] = []
+        self.finished = False  # every span reached every host
+        self.abandoned = False  # this host's load ended early: the rounds stop
 
-    def run(self, *, locked: bool = True) -> Exchanged:
-        """The exchange; ``locked``: this host holds its local folder's lock (if any
-        host does not, none splits)."""
+    def prepare(self, *, locked: bool = True) -> bool:
+        """Agree on the files and on who reads which span; False where the hosts do not
+        split (:attr:`Exchanged.not_split` says why). ``locked``: no other job holds
+        this host's local folder (if any host's is held, none splits)."""
         same_files(self.steps, self.files, who="the host of rank", identify=None)
         mine = self._aligned(self._look)
-        states = self._states(mine, locked)
+        states = self._states_of(mine, locked)
         if states is None:
-            return self.done
-        spans = self._spans(states)
-        sinks = self._aligned(lambda: self._sinks(mine, states[self.me]))
+            self.feed.stop()
+            return False
+        self._states, self._spans = states, self._spans_of(states)
+        for index in range(len(self.files)):
+            heads = [
+                host[index].header for host in (states[self.me], *states) if host[index].header
+            ]
+            self.feed.headers[index] = heads[0] if heads else b""
+        for span in self._spans:
+            if not states[self.me][span.file].has(span):
+                self.feed.expected[(span.file, span.offset)] = span.length
+        return True
+
+    def rounds(self) -> Exchanged:
+        """Rounds until every host has every span (or the hosts stop splitting)."""
+        reads = SpanReads(self, self._spans, self._states)
         try:
-            reads = SpanReads(self, spans, states)
-            try:
-                self.finished = self._rounds(reads, spans, states, sinks)
-            finally:
-                reads.close()
-            if self.finished:
-                self._publish(mine, sinks)
+            self.finished = self._rounds(reads, self._spans)
         finally:
-            for sink in sinks.values():
-                sink.leave()  # a published sink has nothing left to keep
+            reads.close()
         return self.done
 
     def _aligned(self, work: Callable[[], Any]) -> Any:
@@ -159,15 +177,20 @@ class HostExchange:
             except OSError as exc:
                 what = f"cannot read {path}: {exc.strerror or exc}"
                 raise FileError(what, path=str(path)) from exc
-            dst = self.local / path.name
-            current = is_current_copy(dst, identity)
-            landed = None if current else read_landed(dst, identity)
-            ranges = landed.ranges if landed is not None else ()
-            digest = _header_digest(path)
-            looked.append(HostFile(identity.size, identity.mtime_ns, current, ranges, digest))
+            current = False
+            ranges: tuple[tuple[int, int], ...] = ()
+            if self.local is not None:
+                dst = self.local / path.name
+                current = is_current_copy(dst, identity)
+                landed = None if current else read_landed(dst, identity)
+                ranges = landed.ranges if landed is not None else ()
+            head = _header_of(path)
+            digest = hashlib.sha256(head[LENGTH_BYTES:]).hexdigest() if head else ""
+            file = HostFile(identity.size, identity.mtime_ns, current, ranges, digest, head)
+            looked.append(file)
         return looked
 
-    def _states(self, mine: list[HostFile], locked: bool) -> list[list[HostFile]] | None:
+    def _states_of(self, mine: list[HostFile], locked: bool) -> list[list[HostFile]] | None:
         """Every host's files; None (not split, :attr:`Exchanged.not_split` says why)
         where a host's local folder is locked by another job, or the hosts' mirrors do
         not hold the same files (size, modification time and header): each host then
@@ -194,60 +217,30 @@ class HostExchange:
                 return None
         return states
 
-    def _spans(self, states: list[list[HostFile]]) -> list[Span]:
-        """The spans some host lacks, offset-major."""
+    def _spans_of(self, states: list[list[HostFile]]) -> list[Span]:
+        """The spans some host lacks, in the order a load's engine reads them."""
         sizes = [file.size for file in states[0]]
         threshold = self.settings.split_threshold_bytes
-        every = offset_major(sizes, self.span, threshold)
+        every = file_major(sizes, self.span, threshold)
         return [s for s in every if not all(host[s.file].has(s) for host in states)]
 
-    def _sinks(self, mine: list[HostFile], state: list[HostFile]) -> dict[int, FileSink]:
-        """A partial copy for each file this host lacks (continuing a killed run's)."""
-        fs_type = filesystem_type(self.local)
-        sinks: dict[int, FileSink] = {}
-        for index, (path, file) in enumerate(zip(self.files, state, strict=True)):
-            if file.current:
-                continue
-            identity = Identity(file.size, file.mtime_ns, os.stat(path).st_ino)
-            resume = Landed(file.landed) if file.landed else None
-            # Buffered: the load that follows reads the copy back from the page cache.
-            target = IOPolicy.buffered(fs_type, "written by the hosts' exchange")
-            sink = file_sink(
-                self.local / path.name, identity, target, fsync=self.settings.fsync, resume=resume
-            )
-            try:
-                sink.prepare()
-            except BaseException:
-                for made in sinks.values():
-                    made.leave()
-                raise
-            sinks[index] = sink
-        return sinks
-
-    def _rounds(
-        self,
-        reads: SpanReads,
-        spans: list[Span],
-        states: list[list[HostFile]],
-        sinks: dict[int, FileSink],
-    ) -> bool:
+    def _rounds(self, reads: SpanReads, spans: list[Span]) -> bool:
         """Rounds until no host has a span left; False if ``keep_going`` said stop."""
         failed: dict[int, set[int]] = {}
         while True:
-            try:
-                self.tick()
-            except DistributedError as exc:  # a rank of this host died: the hosts hear it
-                self.steps.fail(exc)
+            if self.abandoned:
+                self.steps.fail(LoaderplugError("its load ended before the exchange did"))
             said = self.steps.exchange(self._aligned(lambda: reads.next_header(self.done)))
             if all(s is None for s in said):
                 return True
             self.done.rounds += 1
             self._reassign(said, spans, failed, reads)
-            self._move(said, spans, reads, sinks)
+            self._move(said, spans, reads)
             if self.done.rounds == DECIDED_AT:
                 self.done.rates = [s[1][2] if s is not None else (None, None) for s in said]
                 if self.keep_going is not None and not self.keep_going(self.done):
-                    reads.keep_landed(sinks)
+                    reads.keep_read(self.feed)
+                    self.feed.stop()
                     return False
 
     def _reassign(
@@ -270,12 +263,8 @@ class HostExchange:
             if untried[0] == self.me:
                 reads.add(index)
 
-    def _move(
-        self, said: list[Any], spans: list[Span], reads: SpanReads, sinks: dict[int, FileSink]
-    ) -> None:
-        """The round's spans to every host, each written where it is lacking."""
-        import torch
-
+    def _move(self, said: list[Any], spans: list[Span], reads: SpanReads) -> None:
+        """The round's spans to every host, each kept in the feed where it is lacking."""
         lengths = [s[1][1] if s is not None and s[0] == "span" else 0 for s in said]
         longest = max(lengths)
         if longest == 0:
@@ -294,43 +283,9 @@ class HostExchange:
             span = spans[step[1][0]]
             if host != self.me:
                 self.done.received_bytes += length
-            sink = sinks.get(span.file)
-            if sink is not None and not sink_has(sink, span):
-                data: torch.Tensor = gathered[host][:length]
-                self._aligned(functools.partial(_write, sink, data, span.offset))
-
-    def _publish(self, mine: list[HostFile], sinks: dict[int, FileSink]) -> None:
-        """Every copy renamed into place, once every host saw its sources unchanged."""
-        self._aligned(lambda: self._unchanged(mine, sinks))
-        self.steps.exchange(("verified", None))
-        for sink in sinks.values():
-            sink.commit()  # past the last collective: a failure is this host's alone
-
-    def _unchanged(self, mine: list[HostFile], sinks: dict[int, FileSink]) -> None:
-        for index, sink in sinks.items():
-            path, was = self.files[index], mine[index]
-            try:
-                now = Identity.of(os.stat(path))
-            except OSError as exc:
-                what = f"cannot read {path}: {exc.strerror or exc}"
-                raise FileError(what, path=str(path)) from exc
-            if (now.size, now.mtime_ns) != (was.size, was.mtime_ns):
-                sink.abort()
-                raise FileError(
-                    f"{path} changed while the hosts copied it ({now.describe()}); nothing "
-                    f"of it was published: run again once the mirror is settled",
-                    path=str(path),
-                )
-
-
-def sink_has(sink: FileSink, span: Span) -> bool:
-    """Whether ``span`` is in the partial copy already (a killed run's)."""
-    return sink.resume is not None and sink.resume.covers(span.offset, span.length)
-
-
-def _write(sink: FileSink, data: Any, offset: int) -> None:
-    sink.write(memoryview(data.numpy()), offset)
-    sink.span_landed(offset, data.numel())
+            if self.feed.wants(span.file, span.offset):
+                data = memoryview(gathered[host].numpy())[:length]
+                self.feed.put(span.file, span.offset, data)
 
 
 class SpanReads:
@@ -372,18 +327,18 @@ class SpanReads:
     def _source(self, span: Span) -> tuple[Path, bool]:
         """Where this host reads ``span``: its own copy if it has it, else its mirror."""
         path = self._exchange.files[span.file]
-        dst = self._exchange.local / path.name
-        file = self._mine[span.file]
-        if file.current:
-            return dst, False
-        if file.has(span):
-            return partial_for(dst), False
+        file, local = self._mine[span.file], self._exchange.local
+        if local is not None and file.current:
+            return local / path.name, False
+        if local is not None and file.has(span):
+            return partial_for(local / path.name), False
         return path, True
 
     def _read(self, index: int) -> tuple[bytearray, float]:
         span = self._spans[index]
         path, from_mirror = self._source(span)
         buf = bytearray(span.length)
+        agreed = self._mine[span.file]
 
         def read() -> None:
             # Through the source hook, as every read of a job: a plugin's source too.
@@ -396,6 +351,8 @@ class SpanReads:
                         shrank = f"{path} ends before byte {span.offset + done}: it shrank"
                         raise FileError(shrank, path=str(path))
                     done += got
+                if from_mirror:
+                    _check_unchanged(path, source.identity(), agreed)
             finally:
                 source.close()
 
@@ -456,20 +413,17 @@ class SpanReads:
             padded[: len(self._sent[1])] = torch.frombuffer(self._sent[1], dtype=torch.uint8)
         return padded
 
-    def keep_landed(self, sinks: dict[int, FileSink]) -> None:
-        """Write what this host read and did not send into its own copies (journalled),
-        so each host, reading the rest alone, does not read it again."""
-        import torch
-
+    def keep_read(self, feed: SpanFeed) -> None:
+        """Keep what this host read and did not send in its feed, so each host, reading
+        the rest alone, does not read it again."""
         for index, future in self._pending:
             span = self._spans[index]
-            sink = sinks.get(span.file)
             try:
                 buf, _ = future.result()
-            except OSError:
-                continue
-            if sink is not None and len(buf) and not sink_has(sink, span):
-                _write(sink, torch.frombuffer(buf, dtype=torch.uint8), span.offset)
+            except (OSError, LoaderplugError):
+                continue  # read again by the load, which says why if it fails again
+            if feed.wants(span.file, span.offset):
+                feed.put(span.file, span.offset, memoryview(buf))
         self._pending.clear()
 
     def close(self) -> None:
@@ -486,10 +440,26 @@ def _give_up(path: Path, span: Span) -> Callable[[OSError, int | None], Exceptio
     return give_up
 
 
-def _header_digest(path: Path) -> str:
-    """The SHA-256 of ``path``'s header as this host reads it, or "" where this host
-    cannot read it (the exchange reads such a range from another host)."""
+def _check_unchanged(path: Path, now: Identity, agreed: HostFile) -> None:
+    """A span read from a mirror file that is not the one the hosts agreed on (replaced
+    or rewritten since) fails the load on every host: never a mix of two versions."""
+    if (now.size, now.mtime_ns) != (agreed.size, agreed.mtime_ns):
+        raise FileError(
+            f"{path} changed while the hosts read it ({now.describe()}); nothing of it "
+            f"was published: run again once the mirror is settled",
+            path=str(path),
+        )
+
+
+def _header_of(path: Path) -> bytes:
+    """``path``'s bytes up to the end of its header as this host reads them, or b""
+    where this host cannot (the exchange reads such a range from another host)."""
     try:
-        return str(across_hosts(path)[1])
-    except LoaderplugError:
-        return ""
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            length = f.read(LENGTH_BYTES)
+            n = header_length(str(path), length, size)
+            header = f.read(n)
+    except (OSError, LoaderplugError):
+        return b""
+    return length + header if len(header) == n else b""

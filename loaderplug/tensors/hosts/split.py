@@ -1,14 +1,17 @@
-"""Ranks on several hosts: the hosts split a one pass's reads of the mirror.
+"""Ranks on several hosts: the hosts split the load's reads of the mirror.
 
 A model served across hosts is loaded by every host, each from its own mount of the
-network volume: read alone, the volume serves the model once per host. When a one pass
-hydrates a local copy (``local_dir``) and the group's ranks run on two or more hosts,
-one rank per host (its lowest) takes part in a :class:`~loaderplug.tensors.hosts.exchange.
-HostExchange`: each host reads about 1/H of the spans and receives the rest from the
-other hosts, over a gloo group of those ranks (torch.distributed is the transport: the
-job's own network, no socket of loaderplug's). Then every host holds a current local
-copy, and the load goes on as on one host (its ranks share it as
-:mod:`loaderplug.tensors.ranks.shared` says), reading that copy, mostly from the page cache.
+network volume: read alone, the volume serves the model once per host. When the group's
+ranks run on two or more hosts, one rank per host (its lowest) takes part in a
+:class:`~loaderplug.tensors.hosts.exchange.HostExchange`: each host reads about 1/H of
+the spans and receives the rest from the other hosts, over a gloo group of those ranks
+(torch.distributed is the transport: the job's own network, no socket of loaderplug's).
+That rank's load reads what arrives as it would read the mirror
+(:mod:`loaderplug.tensors.hosts.feed`): each tensor is handed over once its bytes are in
+memory, and a one pass writes its local copy from the same bytes. The host's other ranks
+get every tensor from it as ranks of a host share any load
+(:mod:`loaderplug.tensors.ranks.shared`): by the copy in the page cache in a one pass,
+by broadcast when streaming (no local copy to map).
 
 Which ranks share a host comes from torchrun's variables where they are set, else from
 what each rank sees of its machine (:class:`~loaderplug.tensors.ranks.world.World`).
@@ -16,38 +19,32 @@ Whether to split is measured, not configured (``LOADERPLUG_HOST_SPLIT=auto``): t
 rounds time the mirror's reads and the exchange, and the hosts stop splitting (each
 reads the rest alone, nothing read twice) unless the exchange is the faster.
 
-While the host's leading rank exchanges, its other ranks wait in steps of the host's
-share, which the leader ticks every :data:`TICK_S`, so the collective timeout bounds a
-silence, not the hydrate. A host that dies or whose network stalls is noticed by its
-heartbeat within seconds (:mod:`loaderplug.tensors.ranks.peers`); every rank of every host
-then fails, naming it.
+A host that dies or whose network stalls is noticed by its heartbeat within seconds
+(:mod:`loaderplug.tensors.ranks.peers`); every rank of every host then fails, naming it.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 import statistics
-import time
-from collections.abc import Callable, Mapping, Sequence
+import threading
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from loaderplug.errors import LockError
 from loaderplug.jobs.locks import Lock, folder_lock
+from loaderplug.plugins.manager import Plugins
 from loaderplug.settings import Settings
-from loaderplug.tensors.hosts.exchange import EXCHANGE_SPAN, Exchanged, HostExchange
-from loaderplug.tensors.ranks.collectives import abandon
+from loaderplug.tensors.hosts.exchange import AUTO_READERS, EXCHANGE_SPAN, Exchanged, HostExchange
+from loaderplug.tensors.hosts.feed import ExchangeOpener, SpanFeed
 from loaderplug.tensors.ranks.groups import agreed_group, over
 from loaderplug.tensors.ranks.peers import Peer
 from loaderplug.tensors.ranks.steps import Steps
 from loaderplug.tensors.ranks.teardown import tear_down
 from loaderplug.tensors.ranks.world import Share, World, heartbeat_store, watch
 from loaderplug.units import MiB
-
-# How often the leading rank of a host tells its other ranks it is still exchanging.
-TICK_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -86,8 +83,8 @@ def hosts_said(settings: Settings, environ: Mapping[str, str]) -> str:
         known = "hosts told apart by name, boot, mount namespace and local folder"
     rule = {
         "off": "every host reads the whole model (LOADERPLUG_HOST_SPLIT=off)",
-        "on": "a one pass on two or more hosts splits the mirror's reads (forced on)",
-        "auto": "a one pass on two or more hosts splits the mirror's reads while the "
+        "on": "a load on two or more hosts splits the mirror's reads (forced on)",
+        "auto": "a load on two or more hosts splits the mirror's reads while the "
         "exchange measured in its first rounds beats the mirror; one host: never",
     }[settings.host_split]
     return f"hosts: {known}; {rule}"
@@ -99,11 +96,12 @@ def split_across_hosts(
     world: World | None,
     share: Share | None,
     settings: Settings,
-) -> HostsChoice | None:
-    """Hydrate ``local_dir`` on every host of ``world`` by a split read (see above);
-    None where there is one host or no local copy to hydrate. ``share`` is this host's
-    ranks (None: this rank alone here)."""
-    if world is None or local_dir is None:
+) -> HostSplit | None:
+    """This rank's part in a load split across the hosts of ``world`` (see above); None
+    where there is one host. ``share`` is this host's ranks (None: this rank alone
+    here). A failure on a host of several ranks is kept (:attr:`HostSplit.error`) for
+    the host's shared load to raise on every rank of it at its first step."""
+    if world is None:
         return None
     layout = world.hosts()
     if len(layout) < 2:
@@ -112,110 +110,215 @@ def split_across_hosts(
     mode, span, threshold = world.ranks[0].split
     settings = settings.replace(host_split=mode, split_threshold_bytes=threshold)
     settings = settings.replace(span_bytes=span or EXCHANGE_SPAN)
-    if settings.host_split == "off":
-        return HostsChoice(len(layout), False, "LOADERPLUG_HOST_SPLIT=off")
     here = next(host for host in layout if world.me in host)
-    host_steps = Steps(share, watch(share, "hosts")) if share is not None else None
+    split = HostSplit(len(layout), here[0] == world.me, settings)
+    if settings.host_split == "off":
+        return split
     try:
-        return _split_or_wait(paths, local_dir, world, here, host_steps, settings)
-    except BaseException:
-        if host_steps is not None and host_steps.pending is not None:
-            abandon(host_steps.share.group, host_steps.pending)  # a peer died during it
-        raise
-    finally:
-        if host_steps is not None:
-            host_steps.watch.close()
-
-
-def _split_or_wait(
-    paths: Sequence[str | os.PathLike[str]],
-    local_dir: str | os.PathLike[str],
-    world: World,
-    here: list[int],
-    host_steps: Steps | None,
-    settings: Settings,
-) -> HostsChoice:
-    """The leading rank's part of the split, told to the host's other ranks; the others
-    wait for it."""
-    group = _leaders_group(world, host_steps, settings)
-    if here[0] != world.me:
-        assert host_steps is not None  # a host of more than one rank has a share
-        return _wait_for_leader(host_steps)
-    files, local = [Path(p) for p in paths], Path(local_dir)
-    try:
-        choice = _lead(files, local, world, group, settings, _ticker(host_steps))
+        group = _leaders_group(world, settings)
+        if split.leader:
+            split.begin([Path(p) for p in paths], local_dir, world, group)
     except Exception as exc:
-        if host_steps is None:
+        if share is None:
             raise
-        host_steps.fail(exc)  # the host's other ranks raise it too, naming this one
-    if host_steps is not None:
-        host_steps.exchange(("hosts", choice))
-    return choice
+        split.error = exc
+    return split
 
 
-def _wait_for_leader(steps: Steps) -> HostsChoice:
-    """Steps of the host's share until its leading rank says what the hosts did."""
-    while True:
-        word = steps.exchange(None)[0]
-        if word is not None and word[0] == "hosts":
-            return word[1]  # type: ignore[no-any-return]
+class HostSplit:
+    """A load's part in a split across hosts, on one rank. On a host's leading rank it
+    runs the exchange (its rounds in a thread of their own) and gives its load the
+    opener the engine reads through (:class:`~loaderplug.tensors.hosts.feed.
+    ExchangeOpener`); the host's other ranks own no file of the load and get every tensor
+    from the leading rank, as ranks of a host share any load."""
+
+    def __init__(self, hosts: int, leader: bool, settings: Settings) -> None:
+        self.leader, self.settings = leader, settings
+        self.split_on = settings.host_split != "off"
+        why = "LOADERPLUG_HOST_SPLIT=off" if not self.split_on else "the host's leading rank"
+        self.choice = HostsChoice(hosts, self.split_on, why)
+        self.error: BaseException | None = None  # a failure before the load began
+        self.opener: ExchangeOpener | None = None
+        self._exchange: HostExchange | None = None
+        self._steps: Steps | None = None
+        self._thread: threading.Thread | None = None
+        self._failed: BaseException | None = None  # the rounds' failure
+        self._starting = threading.Lock()
+
+    # What the load says of the hosts (HostsSaid).
+    @property
+    def hosts(self) -> int:
+        return self.choice.hosts
+
+    @property
+    def split(self) -> bool:
+        return self.choice.split
+
+    @property
+    def why(self) -> str:
+        return self.choice.why
+
+    @property
+    def exchanged(self) -> Exchanged | None:
+        return self.choice.exchanged
+
+    def describe(self) -> str:
+        return self.choice.describe()
+
+    @property
+    def leader_owns_all(self) -> bool:
+        """Whether the host's leading rank reads every file (every rank of a host
+        decides it alike, before any exchange)."""
+        return self.split_on
+
+    def load_settings(self, settings: Settings) -> Settings:
+        """The settings of the load this rank runs: on a leading rank that exchanges,
+        spans as the exchange's, into memory of the load's own (a mapped mirror file
+        would be read again), by a fixed count of readers (they wait for the exchange,
+        which an adaptive count would take for a slow mount)."""
+        if self.opener is None:
+            return settings
+        return settings.replace(
+            span_bytes=self.settings.span_bytes,
+            split_threshold_bytes=self.settings.split_threshold_bytes,
+            owned="own",
+            readers=AUTO_READERS,
+        )
+
+    def begin(
+        self, files: list[Path], local_dir: str | os.PathLike[str] | None, world: World, group: Any
+    ) -> None:
+        """Agree with the other hosts' leading ranks on the spans, and start the rounds."""
+        local = Path(local_dir) if local_dir is not None else None
+        steps = _leaders(world, group, self.settings)
+        feed = SpanFeed(budget=self.settings.bytes_in_flight)
+        keep_going = _keep_going(self.settings, self.hosts)
+        exchange = HostExchange(files, local, steps, self.settings, feed, keep_going)
+        try:
+            splitting = exchange.prepare(locked=_not_locked(local))
+        except BaseException:
+            tear_down(steps, [steps.share.group])
+            raise
+        self._exchange, self._steps = exchange, steps
+        if not splitting:
+            tear_down(steps, [steps.share.group])
+            self._conclude()
+            return
+        paths = {str(path): index for index, path in enumerate(exchange.files)}
+        opener = Plugins(self.settings).open_source
+        self.opener = ExchangeOpener(feed, paths, opener)
+        feed.on_first_read = self._start_rounds
+        self._thread = threading.Thread(
+            target=self._rounds, name="loaderplug-hosts-exchange", daemon=True
+        )
+
+    def _start_rounds(self) -> None:
+        """The rounds begin once the load reads (or ends, reading nothing of them)."""
+        with self._starting:
+            if self._thread is not None and self._thread.ident is None:
+                self._thread.start()
+
+    def _rounds(self) -> None:
+        exchange, steps = self._exchange, self._steps
+        assert exchange is not None and steps is not None
+        try:
+            exchange.rounds()
+        except BaseException as exc:
+            self._failed = exc
+            exchange.feed.fail(exc)
+        finally:
+            tear_down(steps, [steps.share.group])
+
+    def raised(self, exc: BaseException) -> BaseException:
+        """What the load raises for ``exc``: the exchange's own failure (naming the host
+        that died, stalled or failed) where it caused it."""
+        return self._failed if self._failed is not None else exc
+
+    def finish(self, completed: bool = False) -> None:
+        """The load is over (``completed``: every tensor handed over): the rounds end
+        (abandoned, if this host's load did not complete), and the choice is told."""
+        exchange = self._exchange
+        if exchange is None or self._thread is None:
+            return
+        if not completed:
+            exchange.abandoned = True
+        self._start_rounds()  # the other hosts wait for this host's word in each round
+        if completed:
+            self._join()  # the other hosts may still want this host's spans
+        exchange.feed.close()
+        self._join()
+        self._thread = None
+        self._conclude()
+
+    def _join(self) -> None:
+        assert self._thread is not None
+        while self._thread.is_alive():
+            self._thread.join(0.1)  # a timed join keeps the main thread able to take Ctrl-C
+
+    def _conclude(self) -> None:
+        exchange = self._exchange
+        assert exchange is not None
+        done = exchange.done
+        done.mirror_bytes += exchange.feed.read_alone
+        split = exchange.finished
+        hosts = self.hosts
+        self.choice = HostsChoice(hosts, split, _why(self.settings, done, split, hosts), done)
+
+    def adopt(self, choice: HostsChoice) -> None:
+        """What the host's leading rank said the hosts did (on the host's other ranks)."""
+        self.choice = choice
 
 
-def _ticker(steps: Steps | None) -> Callable[[], None]:
-    """A step of the host's share every :data:`TICK_S` (its waiting ranks' heartbeat)."""
-    last = time.monotonic()
+class SplitPairs(Iterator[tuple[str, Any]]):
+    """The tensors of a leading rank alone on its host: at the end the exchange's rounds
+    end too; a failure the exchange caused is raised as the exchange's own."""
 
-    def tick() -> None:
-        nonlocal last
-        if steps is not None and time.monotonic() - last >= TICK_S:
-            steps.exchange(("working", None))
-            last = time.monotonic()
+    def __init__(self, pairs: Iterator[tuple[str, Any]], split: HostSplit) -> None:
+        self._pairs, self._split = pairs, split
 
-    return tick
+    def __next__(self) -> tuple[str, Any]:
+        try:
+            return next(self._pairs)
+        except StopIteration:
+            self._split.finish(completed=True)
+            raise
+        except BaseException as exc:
+            self._split.finish()
+            cause = self._split.raised(exc)
+            if cause is exc:
+                raise
+            raise cause from exc
+
+    def close(self) -> None:
+        close = getattr(self._pairs, "close", None)
+        if close is not None:
+            close()
+        self._split.finish()
 
 
-def _leaders_group(world: World, host_steps: Steps | None, settings: Settings) -> Any:
+def _not_locked(local: Path | None) -> bool:
+    """Whether no other job holds ``local``'s folder lock now. Tried, not waited for: a
+    host waiting here would keep the others waiting in a collective. A folder another
+    job holds (or that two hosts share) is not split."""
+    if local is None:
+        return True
+    lock = Lock(folder_lock(local), 0)
+    try:
+        lock.acquire()
+    except LockError:
+        return False
+    finally:
+        lock.release()
+    return True
+
+
+def _leaders_group(world: World, settings: Settings) -> Any:
     """The hosts' leading ranks' gloo group, on each of them (None on the other ranks):
-    every rank of ``world`` says what groups it holds, so the leaders name it alike. A
-    rank that fails here tells its host's other ranks, which raise it too."""
+    every rank of ``world`` says what groups it holds, so the leaders name it alike."""
     import torch.distributed as dist
 
     leaders = tuple(dist.get_global_rank(world.group, host[0]) for host in world.hosts())
-    try:
-        return agreed_group(leaders, over(world.group), settings.distributed_timeout_s)
-    except Exception as exc:
-        if host_steps is None:
-            raise
-        host_steps.fail(exc)
-
-
-def _lead(
-    files: list[Path],
-    local: Path,
-    world: World,
-    group: Any,
-    settings: Settings,
-    tick: Callable[[], None],
-) -> HostsChoice:
-    """This host's part of the exchange, among the hosts' leading ranks, in their
-    ``group``."""
-    layout = world.hosts()
-    steps = _leaders(world, group, settings)
-    # Tried, not waited for: a host waiting here would keep the others waiting in a
-    # collective. A folder another job holds (or that two hosts share) is not split.
-    lock = Lock(folder_lock(local), 0)
-    try:
-        exchange = HostExchange(
-            files, local, steps, settings, tick, _keep_going(settings, len(layout))
-        )
-        with contextlib.suppress(LockError):
-            lock.acquire()
-        done = exchange.run(locked=lock.held)
-    finally:
-        lock.release()
-        tear_down(steps, [steps.share.group])
-    split = exchange.finished
-    return HostsChoice(len(layout), split, _why(settings, done, split, len(layout)), done)
+    return agreed_group(leaders, over(world.group), settings.distributed_timeout_s)
 
 
 def _leaders(world: World, group: Any, settings: Settings) -> Steps:

@@ -43,8 +43,9 @@ import os
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
+from loaderplug.engine.buffers import Opener
 from loaderplug.errors import LoaderplugError
 from loaderplug.jobs.runner import Runner
 from loaderplug.settings import Settings
@@ -77,6 +78,22 @@ __all__ = [
 ]
 
 
+class HostPart(Protocol):
+    """A rank's part in a load split across hosts
+    (:class:`loaderplug.tensors.hosts.split.HostSplit`, made a layer above)."""
+
+    error: BaseException | None  # a failure before the load: raised on every rank here
+
+    @property
+    def opener(self) -> Opener | None: ...  # on a leading rank that exchanges: its reads
+    @property
+    def leader_owns_all(self) -> bool: ...
+    @property
+    def choice(self) -> Any: ...
+    def finish(self, completed: bool = False) -> None: ...
+    def adopt(self, choice: Any) -> None: ...
+
+
 def shared_tensors(
     paths: Sequence[str | os.PathLike[str]],
     device: DevicePath,
@@ -84,10 +101,14 @@ def shared_tensors(
     settings: Settings,
     share: Share,
     load: Load,
+    split: HostPart | None = None,
 ) -> SharedLoad:
     """Every tensor of ``paths`` on this rank, this rank reading only its own files;
-    ``load`` gets the record of what this rank did."""
-    return SharedLoad(_shared_pairs(paths, device, local_dir, settings, share, load), share)
+    ``load`` gets the record of what this rank did. With ``split`` (ranks on several
+    hosts that split the reads) the host's leading rank reads every file, through the
+    hosts' exchange, and the others get its tensors."""
+    pairs = _shared_pairs(paths, device, local_dir, settings, share, load, split)
+    return SharedLoad(pairs, share)
 
 
 class SharedLoad(Iterator[tuple[str, Any]]):
@@ -124,6 +145,7 @@ def _shared_pairs(
     settings: Settings,
     share: Share,
     load: Load,
+    split: HostPart | None,
 ) -> SharedPairs:
     files = by_name([Path(p) for p in paths])  # who owns which file: the same on every rank
     local = Path(local_dir) if local_dir is not None else None
@@ -132,21 +154,26 @@ def _shared_pairs(
     steps = Steps(share, watch(share))
     groups = [share.group]
     try:
+        if split is not None and split.error is not None:
+            steps.fail(split.error)  # at the step the host's other ranks take first
         keys = same_files(steps, files)  # the files each rank loads, the same on all
-        owner = owners(_sizes(files, steps), share.size)
+        owner = _owners(files, steps, split)
         mine = [f for f, r in zip(files, owner, strict=True) if r == share.rank]
-        mode = agreed_mode(steps, sharing_mode(files, device.device, local, settings))
+        mode = agreed_mode(steps, _mode(files, device, local, settings, split))
         if mode in ("pagecache", "stream"):
             # Buffered, so what this rank reads (and writes) stays in the page cache for
             # the others to map; this rank maps it too (the file read in place, or the
             # copy a one pass writes), so the host holds it once.
             settings = settings.replace(direct_io="off")
-        runner, delivery = _own_load(mine, device, settings, local, mode, steps)
+        opener = split.opener if split is not None else None
+        runner, delivery = _own_load(mine, device, settings, local, mode, steps, opener)
         if mode == "broadcast":
             groups.append(data_group(steps, device))
         pairs = _pairs(mode, runner, delivery, steps, files, keys, local, device, groups[-1])
         handed = FirstHandedOver(pairs)
         yield from handed
+        if split is not None:
+            _tell_the_host(steps, split)
     finally:
         tear_down(steps, groups)
     load.report, load.io_modes = runner.report, runner.io_modes
@@ -169,8 +196,10 @@ def _own_load(
     local: Path | None,
     mode: SharingMode,
     steps: Steps,
+    opener: Opener | None = None,
 ) -> tuple[Runner, TensorDelivery]:
-    """The load of this rank's own files, stopped by a peer's death."""
+    """The load of this rank's own files, stopped by a peer's death (``opener``: what
+    its engine reads through, the hosts' exchange on a host's leading rank)."""
     plan = load_plan(
         mine,
         device,
@@ -179,6 +208,7 @@ def _own_load(
         lock_each_file=True,
         through_page_cache=mode in ("pagecache", "stream"),
         shared_by_ranks=True,
+        open_source=opener,
     )
     delivery = plan.delivery
     assert isinstance(delivery, TensorDelivery)
@@ -208,6 +238,38 @@ def _pairs(
     if mode == "stream":
         return by_stream(runner, steps, files, agreed, local, delivery, device)
     return by_broadcast(runner, steps, device, group)
+
+
+def _owners(files: list[Path], steps: Steps, split: HostPart | None) -> list[int]:
+    """Which rank of the host reads each file: balanced by bytes, or, where the hosts
+    split the reads, the host's leading rank every one (its load reads the exchange)."""
+    if split is not None and split.leader_owns_all:
+        return [0] * len(files)
+    return owners(_sizes(files, steps), steps.share.size)
+
+
+def _mode(
+    files: list[Path],
+    device: DevicePath,
+    local: Path | None,
+    settings: Settings,
+    split: HostPart | None,
+) -> SharingMode:
+    """How the tensors reach the host's other ranks: streaming with the hosts splitting
+    the reads, by broadcast (mapping the mirror's file would read it again)."""
+    if split is not None and split.leader_owns_all and local is None:
+        return "broadcast"
+    return sharing_mode(files, device.device, local, settings)
+
+
+def _tell_the_host(steps: Steps, split: HostPart) -> None:
+    """Past the last tensor: the leading rank ends its exchange and tells the host's
+    other ranks what the hosts did."""
+    if steps.share.rank == 0:
+        split.finish(completed=True)
+    said = steps.exchange(("hosts", split.choice) if steps.share.rank == 0 else None)
+    if steps.share.rank != 0 and said[0] is not None:
+        split.adopt(said[0][1])
 
 
 def _sizes(files: list[Path], steps: Steps) -> list[int]:

@@ -1,0 +1,232 @@
+"""The spans the hosts' exchange brings, handed to this host's load as its source.
+
+A load split across hosts runs as any load does on each host's leading rank (the
+engine, its tensor sinks and, in a one pass, the local copy's sinks), but the engine's
+reads of the mirror's files are answered by the exchange: a :class:`SpanFeed` keeps
+each span this host read or received until the engine has read it, and an
+:class:`ExchangeSource` per file answers the engine's ``pread_into`` from it, waiting
+for a span still on its way. So a tensor is handed over as soon as its bytes are in
+memory, from this host's mount or from another host, and the local copy is written
+from the same bytes.
+
+The feed holds at most its budget of bytes: the exchange waits for room, unless the
+engine waits for a span the feed does not hold yet (the two orders differ where a
+span was read by another host after a failure, or a rerun resumes), which is let in
+over the budget, so neither side waits on the other forever. Spans the exchange will not
+bring (those the hosts stopped exchanging, a file this host reads from its own copy,
+a span read once already) are read from the mirror itself.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from loaderplug.errors import LoaderplugError
+from loaderplug.types import Identity, IOPolicy, Source
+
+# How often a wait for a span looks whether the load was cancelled or failed.
+WAKE_S = 0.1
+
+
+class FeedClosed(LoaderplugError):
+    """The load ended (or the exchange failed) while a read waited for a span: what
+    landed is good, and a partial copy is kept for the next run."""
+
+    resumable = True
+
+
+@dataclass
+class _Span:
+    data: memoryview
+    left: int  # bytes not read by the engine yet
+
+
+@dataclass
+class SpanFeed:
+    """Spans by (file index, offset) until the engine has read them.
+
+    ``expected`` holds the spans the exchange is to bring this host, ``(file, offset) ->
+    length``; a span the feed holds is removed once every byte of it was read."""
+
+    budget: int
+    expected: dict[tuple[int, int], int] = field(default_factory=dict)
+    # Each file's bytes up to the end of its header, as a host read them: the load's
+    # planning reads its headers from here, not from the mirror again.
+    headers: dict[int, bytes] = field(default_factory=dict)
+    # Called at the first read past a header: the load's planning is over, and the
+    # exchange's reads no longer hold it up (set by the exchange's owner).
+    on_first_read: Callable[[], None] | None = None
+    held_bytes: int = 0
+    peak_bytes: int = 0
+    error: BaseException | None = None
+    alone: bool = False  # the hosts stopped exchanging: the rest is read from the mirror
+    read_alone: int = 0  # bytes the load read from the mirror itself
+    closed: bool = False
+    _spans: dict[tuple[int, int], _Span] = field(default_factory=dict)
+    _waiting: int = 0  # reads waiting for a span the feed does not hold
+    _lock: threading.Condition = field(default_factory=threading.Condition)
+
+    # -- the exchange's side ------------------------------------------------------------
+
+    def wants(self, file: int, offset: int) -> bool:
+        return (file, offset) in self.expected
+
+    def put(self, file: int, offset: int, data: memoryview) -> None:
+        """Keep a span this host read or received; waits while the feed is full and no
+        read waits for a span it does not hold."""
+        with self._lock:
+            if self.expected.pop((file, offset), None) is None or self.closed:
+                return  # not this host's to load (or the load is over)
+            while self.held_bytes and self.held_bytes + len(data) > self.budget:
+                if self.closed or self._waiting:
+                    break
+                self._lock.wait(WAKE_S)
+            if self.closed:
+                return
+            self._spans[(file, offset)] = _Span(data, len(data))
+            self.held_bytes += len(data)
+            self.peak_bytes = max(self.peak_bytes, self.held_bytes)
+            self._lock.notify_all()
+
+    def stop(self) -> None:
+        """The hosts stop exchanging: spans not brought by now are read from the mirror."""
+        with self._lock:
+            self.alone = True
+            self.expected.clear()
+            self._lock.notify_all()
+
+    def fail(self, exc: BaseException) -> None:
+        with self._lock:
+            if self.error is None:
+                self.error = exc
+            self._lock.notify_all()
+
+    def close(self) -> None:
+        """The load is over: nothing more is kept, and every waiting read stops."""
+        with self._lock:
+            self.closed = True
+            self._spans.clear()
+            self.held_bytes = 0
+            self._lock.notify_all()
+
+    # -- the engine's side --------------------------------------------------------------
+
+    def read_into(self, file: int, buf: memoryview, offset: int) -> int | None:
+        """Copy what the feed holds of ``buf``'s range (waiting for a span on its way):
+        the bytes copied, or None where the exchange will not bring them."""
+        with self._lock:
+            while True:
+                if self.error is not None:
+                    raise FeedClosed(f"the hosts' exchange failed: {self.error}") from self.error
+                if self.closed:
+                    raise FeedClosed("the load ended while a read waited for the hosts' exchange")
+                found = self._holding(file, offset)
+                if found is not None:
+                    return self._copy(found, buf, offset)
+                if not self._coming(file, offset):
+                    return None
+                self._waiting += 1
+                self._lock.notify_all()
+                try:
+                    self._lock.wait(WAKE_S)
+                finally:
+                    self._waiting -= 1
+
+    def reading(self) -> None:
+        """A read past a header: the rounds begin, if they have not."""
+        with self._lock:
+            first, self.on_first_read = self.on_first_read, None
+        if first is not None:
+            first()
+
+    def count_alone(self, n: int) -> None:
+        with self._lock:
+            self.read_alone += n
+
+    def _holding(self, file: int, offset: int) -> tuple[int, int] | None:
+        if (file, offset) in self._spans:  # a read at a span's start: most of them
+            return (file, offset)
+        for key, span in self._spans.items():
+            if key[0] == file and key[1] <= offset < key[1] + len(span.data):
+                return key
+        return None
+
+    def _coming(self, file: int, offset: int) -> bool:
+        if (file, offset) in self.expected:
+            return True
+        return any(
+            key[0] == file and key[1] <= offset < key[1] + length
+            for key, length in self.expected.items()
+        )
+
+    def _copy(self, key: tuple[int, int], buf: memoryview, offset: int) -> int:
+        span = self._spans[key]
+        start = offset - key[1]
+        n = min(len(buf), len(span.data) - start)
+        buf[:n] = span.data[start : start + n]
+        span.left -= n
+        if span.left <= 0:  # read whole (a range read again is read from the mirror)
+            del self._spans[key]
+            self.held_bytes -= len(span.data)
+            self._lock.notify_all()
+        return n
+
+
+class ExchangeSource:
+    """A mirror file as the engine of a split load reads it: from the feed, or from the
+    mirror (through ``real``, the source loaderplug would open) where the exchange will
+    not bring the bytes. Its identity is the mirror file's."""
+
+    def __init__(self, feed: SpanFeed, file: int, real: Source) -> None:
+        self.feed, self.file, self.real = feed, file, real
+        self.size = real.identity().size
+
+    def identity(self) -> Identity:
+        return self.real.identity()
+
+    def pread_into(self, buf: memoryview, offset: int) -> int:
+        head = self.feed.headers.get(self.file, b"")
+        done = min(len(buf), max(0, len(head) - offset))
+        if done:  # the header, as the exchange's owner read it (or another host did)
+            buf[:done] = head[offset : offset + done]
+        if done < len(buf) and offset + done < self.size:
+            self.feed.reading()
+        while done < len(buf) and offset + done < self.size:
+            got = self.feed.read_into(self.file, buf[done:], offset + done)
+            if got is None:  # not on its way: this host reads it itself
+                got = self.real.pread_into(buf[done:], offset + done)
+                self.feed.count_alone(got)
+                if got == 0:
+                    break
+            done += got
+        return done
+
+    def close(self) -> None:
+        self.real.close()
+
+
+class ExchangeOpener:
+    """The opener a split load's engine reads through: a file of the exchange (by its
+    path) is an :class:`ExchangeSource`; any other (a current local copy) as usual."""
+
+    def __init__(
+        self,
+        feed: SpanFeed,
+        files: dict[str, int],
+        opener: Callable[[str, IOPolicy], Any],
+    ) -> None:
+        self.feed, self.files, self.opener = feed, files, opener
+
+    def __call__(self, path: str, policy: IOPolicy) -> Source:
+        real = self.opener(path, policy)
+        index = self.files.get(path)
+        if index is None:
+            return real  # type: ignore[no-any-return]
+        return ExchangeSource(self.feed, index, real)
+
+    def cancel(self) -> None:
+        """The engine was cancelled: its reads waiting for a span stop."""
+        self.feed.close()
