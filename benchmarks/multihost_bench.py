@@ -1,24 +1,27 @@
-"""Ranks on several hosts: one pass from each host's mount of the mirror, the hosts
-splitting the reads and exchanging them, against every host hydrating the whole model
-side by side.
+"""Ranks on several hosts: each host's ranks load the model from its own mount of the
+mirror, the hosts splitting the reads and exchanging them (or not), against every host
+hydrating the whole model side by side.
 
 Simulated hosts on this machine (:mod:`loaderplug.testing.hosts`, root only): a network
-namespace, hostname and mount namespace per host, links shaped by ``tc`` (1, 4 and 10
-Gbit/s), a FUSE mount of the same model folder per host, each with its own throttle
-(``--mirror-mib-s`` per mount) and byte counter, a local folder per host, torchrun's
-variables per rank. For each host count the baseline runs first: every host hydrates
-the whole model from its own mount at once (``loaderplug.hydrate``, one process per
-host), timed to the slowest. Then, per link rate and ranks per host, the ranks
-(``iter_tensors(files, local_dir=..., group=WORLD)``, ``LOADERPLUG_HOST_SPLIT`` as
-``--split`` says) until each has had every tensor, touching every page of each and
-dropping it (as a loader copying weights to the GPU does).
+namespace, hostname and mount namespace per host, links shaped by ``tc``
+(``--links-gbit``), a FUSE mount of the same model folder per host, each with its own
+throttle (``--mounts-mib-s``) and byte counter, a local folder per host, torchrun's
+variables per rank. For each host count and mount rate the baseline runs first: every
+host hydrates the whole model from its own mount at once (``loaderplug.hydrate``, one
+process per host), timed to the slowest. Then, per link rate, ranks per host and kind of
+load (``one-pass``: ``iter_tensors(files, local_dir=..., group=WORLD)``; ``stream``: no
+local copy), each plan (``LOADERPLUG_HOST_SPLIT`` ``off``, ``on`` and ``auto``) until
+every rank has had every tensor, touching every page of each and dropping it (as a
+loader copying weights to the GPU does). ``off`` does not use the link, so it runs once
+per mount and stands for every link.
 
 Figures: mirror bytes per model byte (all mounts together), the slowest rank's time
-and its ratio to the side-by-side hydrate of the same run, each rank's first tensor,
-peak RSS per rank (its growth over torch and the group), CPU seconds per GiB of the
-model per rank; whether the hosts split, and why. Tensors: the first rank of host 0 and
-of the last host check every tensor's CRC32 against the file's bytes (outside the
-clock), and every host's local copy is compared with the model.
+and its ratio to the side-by-side hydrate of the same run, each rank's first tensor
+(and its share of that rank's load), peak RSS per rank (its growth over torch and the
+group), CPU seconds per GiB of the model per rank; whether the hosts split, and why.
+Auto's time over the better forced plan's, per case. Tensors: the first rank of host 0
+and of the last host check every tensor's CRC32 against the file's bytes (outside the
+clock), and in a one pass every host's local copy is compared with the model.
 
     sudo python benchmarks/multihost_bench.py [--quick]
 
@@ -74,7 +77,8 @@ def rank_child(args: argparse.Namespace) -> None:
     checking_s = checking_cpu = 0.0
     started, cpu_started = time.perf_counter(), time.process_time()
     first = None
-    load = iter_tensors(files, local_dir=args.local, group=dist.group.WORLD, progress=False)
+    local = args.local or None  # none: streaming tensors alone
+    load = iter_tensors(files, local_dir=local, group=dist.group.WORLD, progress=False)
     for name, tensor in load:
         if first is None:
             first = time.perf_counter() - started
@@ -146,8 +150,18 @@ def finish(procs: list[subprocess.Popen[str]], what: str) -> list[dict[str, Any]
         out, err = proc.communicate(timeout=1800)
         if proc.returncode != 0 or not out.strip():
             raise SystemExit(f"{what}: rank {rank} exited {proc.returncode}:\n{err[-4000:]}")
-        outs.append(json.loads(out.strip().splitlines()[-1]))
+        said = json.loads(out.strip().splitlines()[-1])
+        said["peak_rss"] = peak_rss(err)
+        outs.append(said)
     return outs
+
+
+def peak_rss(stderr: str) -> int:
+    """The rank's peak RSS, as /usr/bin/time -v says (bytes); 0 where it did not."""
+    for line in stderr.splitlines():
+        if "Maximum resident set size" in line:
+            return int(line.rsplit(":", 1)[1]) * 1024
+    return 0
 
 
 def clear(storages: list[Any]) -> None:
@@ -186,7 +200,11 @@ def side_by_side_hydrate(storages: list[Any], env: dict[str, str]) -> dict[str, 
 
 
 def ranks_run(
-    hosts: SimulatedHosts, storages: list[Any], ranks: int, env: dict[str, str]
+    hosts: SimulatedHosts,
+    storages: list[Any],
+    ranks: int,
+    env: dict[str, str],
+    one_pass: bool,
 ) -> list[dict[str, Any]]:
     clear(storages)
     procs = []
@@ -197,13 +215,15 @@ def ranks_run(
         procs.append(
             storage.host.popen(
                 [
+                    "/usr/bin/time",
+                    "-v",
                     sys.executable,
                     __file__,
                     "--rank-child",
                     "--volume",
                     str(storage.volume.mountpoint),
                     "--local",
-                    str(storage.local),
+                    str(storage.local) if one_pass else "",
                 ],
                 env={**env, **rank_env, "BENCH_CHECK": "1" if checked else "0"},
                 stdout=subprocess.PIPE,
@@ -226,74 +246,97 @@ def copies_equal(storages: list[Any], files: list[Path]) -> bool:
 def cell(
     hosts: SimulatedHosts,
     storages: list[Any],
-    ranks: int,
+    case: dict[str, Any],
     env: dict[str, str],
     files: list[Path],
     want: dict[str, int],
 ) -> dict[str, Any]:
-    """One case's figures: the ranks' slowest, mirror bytes, tensors and copies equal."""
-    outs = ranks_run(hosts, storages, ranks, env)
+    """One run's figures: the ranks' slowest, mirror bytes, tensors and copies equal."""
+    one_pass = case["kind"] == "one-pass"
+    env = {**env, "LOADERPLUG_HOST_SPLIT": case["plan"]}
+    outs = ranks_run(hosts, storages, case["ranks_per_host"], env, one_pass)
     model = sum(f.stat().st_size for f in files)
     checked = [o["crcs"] for o in outs if o["crcs"]]
     return {
+        **case,
         "hosts": len(storages),
-        "ranks_per_host": ranks,
         "slowest_s": max(o["seconds"] for o in outs),
         "first_tensor_s": [o["first"] for o in outs],
+        "first_share": max(o["first"] / o["seconds"] for o in outs),
         "rss_growth": [o["rss_growth"] for o in outs],
+        "peak_rss": [o["peak_rss"] for o in outs],
         "cpu_s_per_gib": [o["cpu"] / (model / GiB) for o in outs],
         "mirror_per_model": sum(s.volume.stats()["bytes_read"] for s in storages) / model,
         "split": [o["split"] for o in outs],
         "why": outs[0]["why"],
         "exchange": [(o["received_bytes"], o["exchange_s"], o["rounds"]) for o in outs],
         "tensors_equal": bool(checked) and all(c == want for c in checked),
-        "copies_equal": copies_equal(storages, files),
+        "copies_equal": copies_equal(storages, files) if one_pass else None,
     }
+
+
+def cases(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The runs at one host count and mount rate: ``off`` once (it does not use the
+    link), ``on`` and ``auto`` per link."""
+    out = []
+    for ranks in args.ranks:
+        for kind in args.kinds:
+            base = {"ranks_per_host": ranks, "kind": kind}
+            out.append({**base, "plan": "off", "link_gbit": None})
+            for link in args.links_gbit:
+                for plan in ("on", "auto"):
+                    out.append({**base, "plan": plan, "link_gbit": link})
+    return out
+
+
+def at_mount(
+    args: argparse.Namespace, count: int, mount: float, files: list[Path], env: dict[str, str]
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The baseline and every run at ``count`` hosts whose mounts read ``mount`` MiB/s."""
+    work, want = Path(args.workdir), expected_crcs(files)
+    throttle = VolumeProfile(mount_bytes_per_s=mount * MiB)
+    rows = []
+    with ExitStack() as stack:
+        hosts = stack.enter_context(SimulatedHosts(count))
+        storages = stack.enter_context(
+            host_volumes(hosts, work / "model", work / f"hosts{count}", throttle)
+        )
+        base = side_by_side_hydrate(storages, env)
+        print(f"{count} hosts at {mount:g} MiB/s side by side: {base['seconds']:.1f} s", flush=True)
+        for case in cases(args):
+            link = case["link_gbit"] or max(args.links_gbit)
+            for index in range(count):
+                hosts.set_rate(index, link * 1000)
+            row = cell(hosts, storages, case, env, files, want)
+            row.update(mount_mib_s=mount, hydrate_s=base["seconds"])
+            row["ratio"] = row["slowest_s"] / base["seconds"]
+            rows.append(row)
+            print(json.dumps({k: v for k, v in row.items() if k != "why"}), flush=True)
+    shutil.rmtree(work / f"hosts{count}", ignore_errors=True)
+    return base, rows
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     work = Path(args.workdir)
     shutil.rmtree(work, ignore_errors=True)
     files = write_scale_model(work / "model", int(args.model_gib * GiB), args.shards)
-    want = expected_crcs(files)
-    model = sum(f.stat().st_size for f in files)
     env = {
         **os.environ,
         "PYTHONPATH": str(REPO),
         "LOADERPLUG_PROGRESS": "0",
-        "LOADERPLUG_HOST_SPLIT": args.split,
         "LOADERPLUG_IO_PROBE": "0",
         "LOADERPLUG_FSYNC": "0",
     }
-    throttle = VolumeProfile(mount_bytes_per_s=args.mirror_mib_s * MiB)
     cells, baselines = [], {}
     for count in args.hosts:
-        with ExitStack() as stack:
-            hosts = stack.enter_context(SimulatedHosts(count))
-            storages = stack.enter_context(
-                host_volumes(hosts, work / "model", work / f"hosts{count}", throttle)
-            )
-            base = side_by_side_hydrate(storages, env)
-            baselines[count] = base
-            print(f"{count} hosts hydrating side by side: {base['seconds']:.1f} s", flush=True)
-            for link in args.links_gbit:
-                for index in range(count):
-                    hosts.set_rate(index, link * 1000)
-                for ranks in args.ranks:
-                    row = cell(hosts, storages, ranks, env, files, want)
-                    row.update(link_gbit=link, hydrate_s=base["seconds"])
-                    row["ratio"] = row["slowest_s"] / base["seconds"]
-                    cells.append(row)
-                    print(
-                        json.dumps({k: v for k, v in row.items() if k != "rss_growth"}), flush=True
-                    )
-        shutil.rmtree(work / f"hosts{count}", ignore_errors=True)
+        for mount in args.mounts_mib_s:
+            base, rows = at_mount(args, count, mount, files, env)
+            baselines[f"{count}@{mount:g}"] = base
+            cells.extend(rows)
     return {
         "date": datetime.date.today().isoformat(),
-        "model_bytes": model,
+        "model_bytes": sum(f.stat().st_size for f in files),
         "shards": args.shards,
-        "mirror_mib_s_per_mount": args.mirror_mib_s,
-        "split_setting": args.split,
         "baselines": baselines,
         "cells": cells,
     }
@@ -304,18 +347,68 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def table(raw: dict[str, Any]) -> str:
     lines = [
-        "| hosts x ranks | link Gbit/s | split | mirror bytes / model | slowest rank s | "
-        "side-by-side hydrate s | ratio | first tensor s (max) | peak RSS growth MiB (max) | "
+        "| hosts x ranks | load | mount MiB/s | link Gbit/s | plan | split | "
+        "mirror bytes / model | slowest rank s | side-by-side hydrate s | ratio | "
+        "first tensor s (max) | first tensor / load (max) | peak RSS MiB (max) | "
         "CPU s/GiB per rank (max) | tensors equal | copies equal |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for c in raw["cells"]:
+        link = "any" if c["link_gbit"] is None else f"{c['link_gbit']:g}"
+        copies = "" if c["copies_equal"] is None else str(c["copies_equal"])
         lines.append(
-            f"| {c['hosts']} x {c['ranks_per_host']} | {c['link_gbit']:g} | "
-            f"{'yes' if all(c['split']) else 'no'} | {c['mirror_per_model']:.3f} | "
-            f"{c['slowest_s']:.1f} | {c['hydrate_s']:.1f} | **{c['ratio']:.2f}** | "
-            f"{max(c['first_tensor_s']):.1f} | {max(c['rss_growth']) / MiB:.0f} | "
-            f"{max(c['cpu_s_per_gib']):.2f} | {c['tensors_equal']} | {c['copies_equal']} |"
+            f"| {c['hosts']} x {c['ranks_per_host']} | {c['kind']} | {c['mount_mib_s']:g} | "
+            f"{link} | {c['plan']} | {'yes' if all(c['split']) else 'no'} | "
+            f"{c['mirror_per_model']:.3f} | {c['slowest_s']:.1f} | {c['hydrate_s']:.1f} | "
+            f"**{c['ratio']:.2f}** | {max(c['first_tensor_s']):.2f} | {c['first_share']:.2f} | "
+            f"{max(c['peak_rss']) / MiB:.0f} | {max(c['cpu_s_per_gib']):.2f} | "
+            f"{c['tensors_equal']} | {copies} |"
+        )
+    return "\n".join(lines)
+
+
+def auto_against_best(raw: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per case (hosts, ranks, load, mount, link): auto's time over the better of split
+    forced on and off, from the same run."""
+    rows = []
+    for c in raw["cells"]:
+        if c["plan"] != "auto":
+            continue
+        same = [
+            o
+            for o in raw["cells"]
+            if (o["hosts"], o["ranks_per_host"], o["kind"], o["mount_mib_s"])
+            == (c["hosts"], c["ranks_per_host"], c["kind"], c["mount_mib_s"])
+        ]
+        on = next(o for o in same if o["plan"] == "on" and o["link_gbit"] == c["link_gbit"])
+        off = next(o for o in same if o["plan"] == "off")
+        best = min(on["slowest_s"], off["slowest_s"])
+        rows.append(
+            {
+                "case": c,
+                "on_s": on["slowest_s"],
+                "off_s": off["slowest_s"],
+                "auto_s": c["slowest_s"],
+                "over_best": c["slowest_s"] / best,
+                "chose": "split" if all(c["split"]) else "not split",
+                "why": c["why"],
+            }
+        )
+    return rows
+
+
+def auto_table(raw: dict[str, Any]) -> str:
+    lines = [
+        "| hosts x ranks | load | mount MiB/s | link Gbit/s | split on s | split off s | "
+        "auto s | auto / better | auto chose | on |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in auto_against_best(raw):
+        c = r["case"]
+        lines.append(
+            f"| {c['hosts']} x {c['ranks_per_host']} | {c['kind']} | {c['mount_mib_s']:g} | "
+            f"{c['link_gbit']:g} | {r['on_s']:.1f} | {r['off_s']:.1f} | {r['auto_s']:.1f} | "
+            f"**{r['over_best']:.2f}** | {r['chose']} | {r['why']} |"
         )
     return "\n".join(lines)
 
@@ -326,25 +419,33 @@ def draw(raw: dict[str, Any], out: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
-    for hosts, ranks in sorted({(c["hosts"], c["ranks_per_host"]) for c in raw["cells"]}):
-        mine = [c for c in raw["cells"] if (c["hosts"], c["ranks_per_host"]) == (hosts, ranks)]
-        links = [c["link_gbit"] for c in mine]
-        label = f"{hosts} hosts x {ranks}"
-        left.plot(links, [c["ratio"] for c in mine], marker="o", label=label)
-        right.plot(links, [c["mirror_per_model"] for c in mine], marker="o", label=label)
-    left.axhline(0.6, color="grey", linestyle="--", label="target at 2 hosts, 4 Gbit/s")
-    left.set(xlabel="link, Gbit/s", ylabel="slowest rank / side-by-side hydrate", xscale="log")
-    right.set(xlabel="link, Gbit/s", ylabel="mirror bytes / model bytes", xscale="log")
-    right.axhline(1.05, color="grey", linestyle="--", label="target")
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    split = [c for c in raw["cells"] if c["plan"] == "on"]
+    for key in sorted(
+        {(c["hosts"], c["ranks_per_host"], c["kind"], c["mount_mib_s"]) for c in split}
+    ):
+        mine = [
+            c
+            for c in split
+            if (c["hosts"], c["ranks_per_host"], c["kind"], c["mount_mib_s"]) == key
+        ]
+        label = f"{key[0]} hosts x {key[1]}, {key[2]}, mount {key[3]:g} MiB/s"
+        left.plot(
+            [c["link_gbit"] for c in mine], [c["ratio"] for c in mine], marker="o", label=label
+        )
+    over = auto_against_best(raw)
+    right.bar(range(len(over)), [r["over_best"] for r in over], color="tab:blue")
+    right.axhline(1.05, color="grey", linestyle="--", label="target: auto <= 1.05x the better")
+    left.set(
+        xlabel="link, Gbit/s", ylabel="split: slowest rank / side-by-side hydrate", xscale="log"
+    )
+    right.set(xlabel="case (hosts, ranks, load, mount, link)", ylabel="auto / better forced plan")
+    left.legend(fontsize=6)
+    right.legend(fontsize=8)
     for ax in (left, right):
-        ax.legend(fontsize=8)
         ax.grid(alpha=0.3)
     gib = raw["model_bytes"] / GiB
-    fig.suptitle(
-        f"{gib:.1f} GiB in {raw['shards']} shards, mirror {raw['mirror_mib_s_per_mount']} MiB/s "
-        "per host's mount, simulated hosts on one 2-core machine"
-    )
+    fig.suptitle(f"{gib:.1f} GiB in {raw['shards']} shards, simulated hosts on one 2-core machine")
     fig.tight_layout()
     fig.savefig(out, dpi=110)
 
@@ -355,14 +456,14 @@ def main() -> None:
     parser.add_argument("--hydrate-child", action="store_true")
     parser.add_argument("--volume")
     parser.add_argument("--local")
-    parser.add_argument("--quick", action="store_true", help="1 GiB, 2 hosts, 4 Gbit/s")
-    parser.add_argument("--model-gib", type=float, default=4.0)
+    parser.add_argument("--quick", action="store_true", help="2 hosts x 1, 64 MiB/s, 4 Gbit/s")
+    parser.add_argument("--model-gib", type=float, default=1.0)
     parser.add_argument("--shards", type=int, default=8)
     parser.add_argument("--hosts", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--links-gbit", type=float, nargs="+", default=[1, 4, 10])
-    parser.add_argument("--mirror-mib-s", type=float, default=200)
-    parser.add_argument("--split", default="auto", choices=["auto", "on", "off"])
+    parser.add_argument("--mounts-mib-s", type=float, nargs="+", default=[64, 320])
+    parser.add_argument("--kinds", nargs="+", default=["one-pass", "stream"])
     parser.add_argument("--workdir", default="/var/tmp/loaderplug-multihost")
     parser.add_argument("--name", default="multihost")
     args = parser.parse_args()
@@ -371,17 +472,17 @@ def main() -> None:
     if args.hydrate_child:
         return hydrate_child(args)
     if args.quick:
-        args.model_gib, args.hosts, args.links_gbit = 1.0, [2], [4]
+        args.hosts, args.ranks, args.links_gbit, args.mounts_mib_s = [2], [1], [4], [64]
     raw = run(args)
     header = (
         f"# Ranks on several hosts ({raw['date']})\n\n"
         f"`python benchmarks/multihost_bench.py` ({raw['model_bytes'] / GiB:.1f} GiB, "
-        f"{raw['shards']} shards, mirror {raw['mirror_mib_s_per_mount']:g} MiB/s per mount, "
-        f"LOADERPLUG_HOST_SPLIT={raw['split_setting']}). Ratio: the slowest rank's time over "
-        "every host hydrating the whole model side by side, in the same run.\n\n"
+        f"{raw['shards']} shards). Ratio: the slowest rank's time over every host hydrating "
+        "the whole model side by side, in the same run.\n\n"
     )
+    auto = "\n\n## Auto against the better forced plan\n\n" + auto_table(raw) + "\n"
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / f"{args.name}.md").write_text(header + table(raw) + "\n")
+    (RESULTS / f"{args.name}.md").write_text(header + table(raw) + auto)
     (RESULTS / f"{args.name}.json").write_text(json.dumps(raw, indent=1))
     draw(raw, RESULTS / f"{args.name}.png")
     print(table(raw))

@@ -66,9 +66,12 @@ def start(
     files: list[Path],
     ranks_per_host: int | list[int],
     env: dict[str, str] | None = None,
+    *,
+    one_pass: bool = True,
 ) -> list[subprocess.Popen[str]]:
     """A rank of ``rank_load.py`` per torchrun slot, reading its host's mount of the
-    mirror and one-passing into its host's local folder."""
+    mirror and one-passing into its host's local folder (``one_pass`` False: streaming
+    tensors alone, no local copy)."""
     base = {
         **RANK_ENV,
         "LOADERPLUG_HOST_SPLIT": "on",
@@ -78,7 +81,8 @@ def start(
     procs = []
     for rank_env in hosts.torchrun_environments(ranks_per_host):
         storage = storages[int(rank_env["GROUP_RANK"])]
-        own = {"RANK_VOLUME": str(storage.volume.mountpoint), "RANK_LOCAL_DIR": str(storage.local)}
+        local = str(storage.local) if one_pass else ""
+        own = {"RANK_VOLUME": str(storage.volume.mountpoint), "RANK_LOCAL_DIR": local}
         procs.append(
             storage.host.popen(
                 argv,
@@ -169,7 +173,50 @@ def test_hosts_read_the_mirror_once_in_all_and_every_rank_gets_every_tensor(
         assert out["hosts"]["mirror_bytes"] == leaders[host]["mirror_bytes"], rank
 
 
-def wait_for_partial(storage: HostStorage, timeout_s: float = 60) -> None:
+@pytest.mark.slow("up to four ranks import torch on two simulated hosts, over FUSE")
+@pytest.mark.parametrize("layout", [[1, 1], [2, 2], [2, 1]], ids=["1+1", "2+2", "2+1"])
+def test_streaming_ranks_split_the_reads_and_get_every_tensor_as_it_arrives(
+    two_hosts: tuple[SimulatedHosts, list[HostStorage]], model: list[Path], layout: list[int]
+) -> None:
+    """No local copy: the hosts still read the mirror once in all, and the host's other
+    ranks get the leading rank's tensors (by broadcast: no copy to map)."""
+    hosts, storages = two_hosts
+    outs = results(start(hosts, storages, model, layout, one_pass=False))
+    assert_every_rank_got_every_tensor(outs, model)
+    total, each = model_bytes(model), mirror_reads(storages)
+    print(f"model {total} bytes; read per mount {each}")
+    assert sum(each) <= 1.05 * total
+    assert all(0.3 * total <= n <= 0.7 * total for n in each), each
+    assert not any(s.local.exists() and any(s.local.iterdir()) for s in storages)
+    assert all(out["hosts"]["split"] for out in outs), [out["hosts"] for out in outs]
+    if max(layout) > 1:
+        assert {out["sharing"] for out in outs if out["sharing"]} == {"broadcast"}
+
+
+@pytest.mark.slow("two ranks on two simulated hosts, a file replaced mid-load")
+def test_a_file_replaced_on_one_hosts_mirror_mid_load_fails_every_host_and_publishes_nothing(
+    tmp_path: Path, model: list[Path]
+) -> None:
+    """Never a mix of two versions: a span read from the new file is refused, whichever
+    host reads it, and no copy of that file is published anywhere."""
+    hosts, volumes = slow_hosts(tmp_path, model)
+    with hosts, volumes as storages:
+        procs = start(hosts, storages, model, 1)
+        wait_for_partial(storages[0], lines=1)
+        replaced = storages[1].volume.backing / model[2].name
+        data = bytearray(replaced.read_bytes())
+        data[-1] ^= 0xFF
+        fresh = replaced.with_name(replaced.name + ".new")
+        fresh.write_bytes(bytes(data))
+        fresh.replace(replaced)
+        outs = results(procs)
+        for out in outs:
+            assert "changed" in (out.get("error") or ""), out
+        for storage in storages:
+            assert not (storage.local / model[2].name).exists()
+
+
+def wait_for_partial(storage: HostStorage, timeout_s: float = 60, lines: int = 4) -> None:
     """Until the host's exchange has written a span into some partial copy."""
     deadline = time.monotonic() + timeout_s
 
@@ -177,7 +224,7 @@ def wait_for_partial(storage: HostStorage, timeout_s: float = 60) -> None:
         journals = [p for p in storage.local.iterdir() if p.name.endswith("-landed")]
         return sum(p.read_text().count("\n") - 1 for p in journals)
 
-    while landed_lines() < 4:
+    while landed_lines() < lines:
         assert time.monotonic() < deadline, "the exchange never started"
         time.sleep(0.05)
 

@@ -72,34 +72,43 @@ def iter_tensors(
             stacklevel=2,
         )
 
-    def start(load: Load) -> Pairs:
-        path = device_path_for(device, job_settings)  # the one place the device is decided
-        load.at_end(path.release)
-        settings = within_device_budget(path, job_settings)
-        world = world_of(group, settings, local_dir)
-        share = share_for(world, settings)
-        try:
-            split = split_across_hosts(paths, local_dir, world, share, settings)
-        except BaseException:
-            if share is not None:
-                free_groups([share.group])
-            raise
-        if split is not None:
-            load.hosts = split
-            load.at_end(split.finish)  # a load that did not complete abandons its rounds
-            settings = split.load_settings(settings)
-        if share is not None:
-            return shared_tensors(paths, path, local_dir, settings, share, load, split)
-        if split is None or split.opener is None:
-            return RunnerPairs(Runner(load_plan(paths, path, settings, local_dir), settings), load)
-        # The files in the order the hosts exchange them: the engine asks for each span
-        # about when it arrives.
-        plan = load_plan(
-            by_name([Path(p) for p in paths]), path, settings, local_dir, open_source=split.opener
-        )
-        return SplitPairs(RunnerPairs(Runner(plan, settings), load), split)
+    return Load(lambda load: _start(load, paths, device, local_dir, group, job_settings), stats)
 
-    return Load(start, stats)
+
+def _start(
+    load: Load,
+    paths: Sequence[str | os.PathLike[str]],
+    device: str | torch.device,
+    local_dir: str | os.PathLike[str] | None,
+    group: Any,
+    job_settings: Settings,
+) -> Pairs:
+    """The load's tensors, once the first is asked for: on this rank alone, shared by
+    the host's ranks, split across hosts, or both."""
+    path = device_path_for(device, job_settings)  # the one place the device is decided
+    load.at_end(path.release)
+    settings = within_device_budget(path, job_settings)
+    world = world_of(group, settings, local_dir)
+    share = share_for(world, settings)
+    try:
+        split = split_across_hosts(paths, local_dir, world, share, settings)
+    except BaseException:
+        if share is not None:
+            free_groups([share.group])
+        raise
+    if split is not None:
+        load.hosts = split
+        load.at_end(split.finish)  # a load that did not complete abandons its rounds
+        settings = split.load_settings(settings)
+    if share is not None:
+        return shared_tensors(paths, path, local_dir, settings, share, load, split)
+    if split is None or split.opener is None:
+        return RunnerPairs(Runner(load_plan(paths, path, settings, local_dir), settings), load)
+    # The files in the order the hosts exchange them: the engine asks for each span
+    # about when it arrives.
+    ordered = by_name([Path(p) for p in paths])
+    plan = load_plan(ordered, path, settings, local_dir, open_source=split.opener)
+    return SplitPairs(RunnerPairs(Runner(plan, settings), load), split)
 
 
 def load_file(
