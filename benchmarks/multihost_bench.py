@@ -400,7 +400,7 @@ def auto_against_best(raw: dict[str, Any]) -> list[dict[str, Any]]:
 def auto_table(raw: dict[str, Any]) -> str:
     lines = [
         "| hosts x ranks | load | mount MiB/s | link Gbit/s | split on s | split off s | "
-        "auto s | auto / better | auto chose | on |",
+        "auto s | auto / better | auto chose | why |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in auto_against_best(raw):

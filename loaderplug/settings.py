@@ -315,7 +315,7 @@ class Settings:
         "auto: when a torch.distributed group has more than one rank on this host (given, "
         "or the initialised default group), the ranks split a load's files between them, "
         "each byte read once per host, and every rank gets every tensor; on several hosts, "
-        "a one pass also splits the mirror's reads between the hosts as "
+        "a load also splits the mirror's reads between the hosts as "
         "LOADERPLUG_HOST_SPLIT says. off: each rank reads everything itself (no sharing "
         "on a host, no split between hosts).",
         choices=get_args(Distributed),
@@ -361,12 +361,13 @@ class Settings:
     host_split: HostSplit = _setting(
         "choice",
         "auto",
-        "When the ranks of a group run on several hosts and a one pass hydrates a local "
-        "copy on each: on, the hosts split the mirror's ranges between them, each reads "
-        "about 1/H from its own mount and they exchange what they read over the group, so "
-        "the mirror is read once in all; off, every host reads the whole model itself; "
-        "auto, on with two or more hosts while the exchange measured at the start beats "
-        "the mirror's measured rate. One host: never.",
+        "When the ranks of a group load on several hosts (a one pass or tensors alone): "
+        "on, the hosts split the mirror's ranges between them, each reads about 1/H from "
+        "its own mount and they exchange what they read over the group, so the mirror is "
+        "read once in all and each tensor is handed over as its bytes arrive; off, every "
+        "host reads the whole model itself; auto, on with two or more hosts while the "
+        "exchange measured in the first rounds beats the mirror's measured rate for its "
+        "share ((H-1)/H of the model against all of it). One host: never.",
         choices=get_args(HostSplit),
     )
     rank_sharing: RankSharing = _setting(

@@ -1,2 +1,2 @@
-"""Hosts sharing a one pass; whether they split the mirror's reads, and the rounds in
+"""Hosts sharing a load; whether they split the mirror's reads, and the rounds in
 which each host reads its part and receives the rest."""

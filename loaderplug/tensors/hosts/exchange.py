@@ -100,6 +100,17 @@ class Exchanged:
     not_split: str | None = None  # why the hosts did not split at all
 
 
+def ahead_bytes(settings: Settings) -> int:
+    """The part of the host's memory budget the exchange's reads ahead may hold."""
+    return settings.bytes_in_flight // 8
+
+
+def feed_bytes(settings: Settings) -> int:
+    """The part of the host's memory budget the feed may hold (spans received, not yet
+    read by the load); the load itself runs within the rest."""
+    return settings.bytes_in_flight // 4
+
+
 class HostExchange:
     """The exchange of ``files`` among the hosts of ``steps``, into this host's ``feed``:
     :meth:`prepare` (the hosts agree on the files and on who reads what), then
@@ -303,7 +314,11 @@ class SpanReads:
         ]
         # Spans read ahead (the memory budget) by the readers the setting asks for: more
         # readers side by side would only make each span, and the first round, later.
-        self._ahead = max(1, min(MOST_READERS, settings.bytes_in_flight // exchange.span))
+        self._ahead = max(1, min(MOST_READERS, ahead_bytes(settings) // exchange.span))
+        # Spans the readers may have in flight now: one at first, so the first round's
+        # span is read at the mount's whole pace (the first tensors wait for it), then
+        # two more for each span read, up to ``_ahead``.
+        self._ramp = 1
         readers = settings.readers if isinstance(settings.readers, int) else AUTO_READERS
         self._readers = max(1, min(self._ahead, readers, len(self._queue)))
         self._pool = ThreadPoolExecutor(self._readers, thread_name_prefix="loaderplug-hosts")
@@ -320,7 +335,7 @@ class SpanReads:
         self._fill()
 
     def _fill(self) -> None:
-        while self._queue and len(self._pending) < self._ahead:
+        while self._queue and len(self._pending) < min(self._ahead, self._ramp):
             index = self._queue.pop(0)
             self._pending.append((index, self._pool.submit(self._read, index)))
 
@@ -380,6 +395,7 @@ class SpanReads:
         if not self._pending:
             return None
         index, future = self._pending.pop(0)
+        self._ramp += 2
         self._fill()
         try:
             buf, _ = future.result()

@@ -67,7 +67,17 @@ class SpanFeed:
     closed: bool = False
     _spans: dict[tuple[int, int], _Span] = field(default_factory=dict)
     _waiting: int = 0  # reads waiting for a span the feed does not hold
-    _lock: threading.Condition = field(default_factory=threading.Condition)
+    _mutex: threading.Lock = field(default_factory=threading.Lock)
+    _arrived: threading.Condition = field(init=False)  # the reads wait on it
+    _room: threading.Condition = field(init=False)  # the exchange waits on it
+
+    def __post_init__(self) -> None:
+        self._arrived = threading.Condition(self._mutex)
+        self._room = threading.Condition(self._mutex)
+
+    def _wake_all(self) -> None:
+        self._arrived.notify_all()
+        self._room.notify_all()
 
     # -- the exchange's side ------------------------------------------------------------
 
@@ -77,47 +87,47 @@ class SpanFeed:
     def put(self, file: int, offset: int, data: memoryview) -> None:
         """Keep a span this host read or received; waits while the feed is full and no
         read waits for a span it does not hold."""
-        with self._lock:
+        with self._mutex:
             if self.expected.pop((file, offset), None) is None or self.closed:
                 return  # not this host's to load (or the load is over)
             while self.held_bytes and self.held_bytes + len(data) > self.budget:
                 if self.closed or self._waiting:
                     break
-                self._lock.wait(WAKE_S)
+                self._room.wait(WAKE_S)
             if self.closed:
                 return
             self._spans[(file, offset)] = _Span(data, len(data))
             self.held_bytes += len(data)
             self.peak_bytes = max(self.peak_bytes, self.held_bytes)
-            self._lock.notify_all()
+            self._arrived.notify_all()
 
     def stop(self) -> None:
         """The hosts stop exchanging: spans not brought by now are read from the mirror."""
-        with self._lock:
+        with self._mutex:
             self.alone = True
             self.expected.clear()
-            self._lock.notify_all()
+            self._wake_all()
 
     def fail(self, exc: BaseException) -> None:
-        with self._lock:
+        with self._mutex:
             if self.error is None:
                 self.error = exc
-            self._lock.notify_all()
+            self._wake_all()
 
     def close(self) -> None:
         """The load is over: nothing more is kept, and every waiting read stops."""
-        with self._lock:
+        with self._mutex:
             self.closed = True
             self._spans.clear()
             self.held_bytes = 0
-            self._lock.notify_all()
+            self._wake_all()
 
     # -- the engine's side --------------------------------------------------------------
 
     def read_into(self, file: int, buf: memoryview, offset: int) -> int | None:
         """Copy what the feed holds of ``buf``'s range (waiting for a span on its way):
         the bytes copied, or None where the exchange will not bring them."""
-        with self._lock:
+        with self._mutex:
             while True:
                 if self.error is not None:
                     raise FeedClosed(f"the hosts' exchange failed: {self.error}") from self.error
@@ -129,21 +139,21 @@ class SpanFeed:
                 if not self._coming(file, offset):
                     return None
                 self._waiting += 1
-                self._lock.notify_all()
+                self._room.notify_all()  # an exchange waiting for room lets it in
                 try:
-                    self._lock.wait(WAKE_S)
+                    self._arrived.wait(WAKE_S)
                 finally:
                     self._waiting -= 1
 
     def reading(self) -> None:
         """A read past a header: the rounds begin, if they have not."""
-        with self._lock:
+        with self._mutex:
             first, self.on_first_read = self.on_first_read, None
         if first is not None:
             first()
 
     def count_alone(self, n: int) -> None:
-        with self._lock:
+        with self._mutex:
             self.read_alone += n
 
     def _holding(self, file: int, offset: int) -> tuple[int, int] | None:
@@ -171,7 +181,7 @@ class SpanFeed:
         if span.left <= 0:  # read whole (a range read again is read from the mirror)
             del self._spans[key]
             self.held_bytes -= len(span.data)
-            self._lock.notify_all()
+            self._room.notify_all()
         return n
 
 

@@ -37,7 +37,14 @@ from loaderplug.errors import LockError
 from loaderplug.jobs.locks import Lock, folder_lock
 from loaderplug.plugins.manager import Plugins
 from loaderplug.settings import Settings
-from loaderplug.tensors.hosts.exchange import AUTO_READERS, EXCHANGE_SPAN, Exchanged, HostExchange
+from loaderplug.tensors.hosts.exchange import (
+    AUTO_READERS,
+    EXCHANGE_SPAN,
+    Exchanged,
+    HostExchange,
+    ahead_bytes,
+    feed_bytes,
+)
 from loaderplug.tensors.hosts.feed import ExchangeOpener, SpanFeed
 from loaderplug.tensors.ranks.groups import agreed_group, over
 from loaderplug.tensors.ranks.peers import Peer
@@ -175,10 +182,13 @@ class HostSplit:
         """The settings of the load this rank runs: on a leading rank that exchanges,
         spans as the exchange's, into memory of the load's own (a mapped mirror file
         would be read again), by a fixed count of readers (they wait for the exchange,
-        which an adaptive count would take for a slow mount)."""
+        which an adaptive count would take for a slow mount), within what the host's
+        memory budget leaves once the exchange's reads ahead and feed have theirs."""
         if self.opener is None:
             return settings
+        exchange = ahead_bytes(self.settings) + feed_bytes(self.settings)
         return settings.replace(
+            bytes_in_flight=max(settings.bytes_in_flight - exchange, EXCHANGE_SPAN),
             span_bytes=self.settings.span_bytes,
             split_threshold_bytes=self.settings.split_threshold_bytes,
             owned="own",
@@ -191,7 +201,7 @@ class HostSplit:
         """Agree with the other hosts' leading ranks on the spans, and start the rounds."""
         local = Path(local_dir) if local_dir is not None else None
         steps = _leaders(world, group, self.settings)
-        feed = SpanFeed(budget=self.settings.bytes_in_flight)
+        feed = SpanFeed(budget=feed_bytes(self.settings))
         keep_going = _keep_going(self.settings, self.hosts)
         exchange = HostExchange(files, local, steps, self.settings, feed, keep_going)
         try:
