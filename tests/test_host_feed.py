@@ -69,11 +69,12 @@ def test_a_span_read_whole_leaves_the_feed(mirror: Path) -> None:
     assert feed.held_bytes == 0 and bytes(half) == bytes(span(mirror, 0)[SPAN // 2 :])
 
 
-def test_the_feed_holds_no_more_than_its_budget_until_a_read_waits_for_another_span(
+def test_the_feed_holds_its_budget_and_the_span_a_read_waits_for_no_more(
     mirror: Path,
 ) -> None:
-    """The exchange waits for room; but where the engine waits for a span the feed does
-    not hold (the orders differ), the span is let in over the budget: no deadlock."""
+    """The exchange waits for room; a span that finds none while a read waits for
+    another (the orders differ) is dropped and read from the mirror when the load comes
+    to it; the span the read waits for is let in over the budget: never a deadlock."""
     feed = expecting(4, budget=2 * SPAN)
     feed.put(0, 0, span(mirror, 0))
     feed.put(0, SPAN, span(mirror, 1))
@@ -87,10 +88,33 @@ def test_the_feed_holds_no_more_than_its_budget_until_a_read_waits_for_another_s
     )
     reader.start()  # waits for span 3, which the exchange brings after span 2
     third.join(5)
-    assert not third.is_alive() and feed.peak_bytes == 3 * SPAN
-    feed.put(0, 3 * SPAN, span(mirror, 3))
+    assert not third.is_alive() and feed.dropped == 1 and feed.held_bytes == 2 * SPAN
+    feed.put(0, 3 * SPAN, span(mirror, 3))  # the span the read waits for: let in
     reader.join(5)
-    assert bytes(got) == bytes(span(mirror, 3))
+    assert bytes(got) == bytes(span(mirror, 3)) and feed.peak_bytes == 3 * SPAN
+    source_of(feed, mirror).pread_into(memoryview(got), 2 * SPAN)  # the dropped one
+    assert bytes(got) == bytes(span(mirror, 2)) and feed.read_alone == SPAN
+
+
+def test_a_span_read_past_its_header_leaves_the_feed(mirror: Path) -> None:
+    """The header is read from what the exchange was told, not from the span: the
+    span leaves the feed once the rest of it was read."""
+    feed = expecting(2)
+    feed.headers[0] = span(mirror, 0)[:100].tobytes()
+    feed.put(0, 0, span(mirror, 0))
+    got = bytearray(SPAN)
+    source_of(feed, mirror).pread_into(memoryview(got), 0)
+    assert bytes(got) == bytes(span(mirror, 0)) and feed.held_bytes == 0
+
+
+def test_a_file_changed_since_the_hosts_agreed_on_it_is_refused(mirror: Path) -> None:
+    from loaderplug.errors import FileError
+
+    feed = expecting(4)
+    feed.agreed[0] = (mirror.stat().st_size, mirror.stat().st_mtime_ns - 1)
+    opener = ExchangeOpener(feed, {str(mirror): 0}, lambda p, policy: PosixSource(p, policy))
+    with pytest.raises(FileError, match="changed since the hosts agreed on it"):
+        opener(str(mirror), IOPolicy.buffered("ext4", "test"))
 
 
 def test_what_the_exchange_will_not_bring_is_read_from_the_mirror(mirror: Path) -> None:

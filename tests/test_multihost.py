@@ -293,10 +293,11 @@ def landed_bytes(journal: Path) -> int:
 
 
 @pytest.mark.slow("two ranks on two simulated hosts, one mount failing")
+@pytest.mark.parametrize("code", [errno.EIO, errno.ESTALE], ids=["EIO", "ESTALE"])
 def test_a_range_one_host_cannot_read_is_read_by_the_other(
-    tmp_path: Path, model: list[Path]
+    tmp_path: Path, model: list[Path], code: int
 ) -> None:
-    eio = Fault(errno.EIO, path_glob=f"*{model[1].name}")
+    eio = Fault(code, path_glob=f"*{model[1].name}")
     profiles = [VolumeProfile(), VolumeProfile(faults=(eio,))]
     with (
         SimulatedHosts(2, link_mbit=1000) as hosts,

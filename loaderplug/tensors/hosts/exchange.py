@@ -15,14 +15,16 @@ travel, the host's readers read its next spans. Where the spans go:
   is read by that host from its own disk: a rerun resumes from what landed anywhere;
 * any other span by the host ``index % hosts``, round-robin over the spans in the order
   the loads read them (file by file), so every host reads about 1/H of every file and
-  the spans arrive in the order each host's engine asks for them;
+  the spans arrive about in the order each host's engine asks for them;
 * a span a host could not read (its retries spent: EIO, ESTALE) by the next host that
   did not fail it; one no host can read fails the load on every host, naming it.
 
 Each span read from the mirror is checked against the identity the hosts agreed on, so
 a file replaced mid-load fails the load on every host; each host's engine publishes its
 local copy, as any one pass does, only once every span landed and its mirror's file did
-not change. A failure leaves the partial copies and their journals for the next run.
+not change. The exchange failing (a host dead or stalled) leaves the partial copies and
+their journals for the next run; a host whose load ended early says so in the next
+round, and the others read the rest alone.
 """
 
 from __future__ import annotations
@@ -156,6 +158,8 @@ class HostExchange:
                 host[index].header for host in (states[self.me], *states) if host[index].header
             ]
             self.feed.headers[index] = heads[0] if heads else b""
+            mine = states[self.me][index]
+            self.feed.agreed[index] = (mine.size, mine.mtime_ns)
         for span in self._spans:
             if not states[self.me][span.file].has(span):
                 self.feed.expected[(span.file, span.offset)] = span.length
@@ -239,20 +243,34 @@ class HostExchange:
         """Rounds until no host has a span left; False if ``keep_going`` said stop."""
         failed: dict[int, set[int]] = {}
         while True:
-            if self.abandoned:
-                self.steps.fail(LoaderplugError("its load ended before the exchange did"))
-            said = self.steps.exchange(self._aligned(lambda: reads.next_header(self.done)))
+            word = self._aligned(
+                lambda: ("stop", None) if self.abandoned else reads.next_header(self.done)
+            )
+            said = self.steps.exchange(word)
             if all(s is None for s in said):
                 return True
             self.done.rounds += 1
             self._reassign(said, spans, failed, reads)
             self._move(said, spans, reads)
-            if self.done.rounds == DECIDED_AT:
-                self.done.rates = [s[1][2] if s is not None else (None, None) for s in said]
-                if self.keep_going is not None and not self.keep_going(self.done):
-                    reads.keep_read(self.feed)
-                    self.feed.stop()
-                    return False
+            if self._stops(said):
+                reads.keep_read(self.feed)
+                self.feed.stop()
+                return False
+
+    def _stops(self, said: list[Any]) -> bool:
+        """Whether the hosts stop splitting after this round: a host's load ended early
+        (the others read the rest alone), or ``keep_going`` says so once the rates are
+        measured."""
+        stopped = [h for h, s in enumerate(said) if s is not None and s[0] == "stop"]
+        if stopped:
+            self.done.not_split = f"host #{stopped[0]}'s load ended before the exchange did"
+            return True
+        if self.done.rounds != DECIDED_AT:
+            return False
+        self.done.rates = [
+            s[1][2] if s is not None and s[0] != "stop" else (None, None) for s in said
+        ]
+        return self.keep_going is not None and not self.keep_going(self.done)
 
     def _reassign(
         self, said: list[Any], spans: list[Span], failed: dict[int, set[int]], reads: SpanReads

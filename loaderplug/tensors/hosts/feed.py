@@ -7,14 +7,18 @@ each span this host read or received until the engine has read it, and an
 :class:`ExchangeSource` per file answers the engine's ``pread_into`` from it, waiting
 for a span still on its way. So a tensor is handed over as soon as its bytes are in
 memory, from this host's mount or from another host, and the local copy is written
-from the same bytes.
+from the same bytes. Each file's header comes from what the exchange's owner read
+before the rounds (this host's, or another host's where this mount failed there).
 
-The feed holds at most its budget of bytes: the exchange waits for room, unless the
-engine waits for a span the feed does not hold yet (the two orders differ where a
-span was read by another host after a failure, or a rerun resumes), which is let in
-over the budget, so neither side waits on the other forever. Spans the exchange will not
-bring (those the hosts stopped exchanging, a file this host reads from its own copy,
-a span read once already) are read from the mirror itself.
+The feed holds at most its budget of bytes, and a span a read waits for besides: the
+exchange waits for room while the load catches up, and lets in over the budget only the
+span a read waits for. Where the two orders differ (a span read by another host after
+a failure, a rerun resuming, the load waiting for a span that comes later), a span that
+finds no room while a read waits for another is dropped, and the load reads it from the
+mirror itself when it comes to it: memory stays bounded, and neither side waits on the
+other forever. Spans the exchange will not bring (those the hosts stopped exchanging, a
+file this host reads from its own copy, a span read once already) are read from the
+mirror too, and counted (:attr:`SpanFeed.read_alone`).
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from loaderplug.errors import LoaderplugError
+from loaderplug.errors import FileError, LoaderplugError
 from loaderplug.types import Identity, IOPolicy, Source
 
 # How often a wait for a span looks whether the load was cancelled or failed.
@@ -49,24 +53,29 @@ class SpanFeed:
     """Spans by (file index, offset) until the engine has read them.
 
     ``expected`` holds the spans the exchange is to bring this host, ``(file, offset) ->
-    length``; a span the feed holds is removed once every byte of it was read."""
+    length``; a span the feed holds is removed once every byte of it past the header
+    was read (the header is read from :attr:`headers`)."""
 
     budget: int
     expected: dict[tuple[int, int], int] = field(default_factory=dict)
     # Each file's bytes up to the end of its header, as a host read them: the load's
     # planning reads its headers from here, not from the mirror again.
     headers: dict[int, bytes] = field(default_factory=dict)
+    # Each file's size and modification time as the hosts agreed on them: a file found
+    # otherwise when the load opens it changed since, and fails.
+    agreed: dict[int, tuple[int, int]] = field(default_factory=dict)
     # Called at the first read past a header: the load's planning is over, and the
     # exchange's reads no longer hold it up (set by the exchange's owner).
     on_first_read: Callable[[], None] | None = None
     held_bytes: int = 0
     peak_bytes: int = 0
+    dropped: int = 0  # spans that found no room while a read waited for another
     error: BaseException | None = None
     alone: bool = False  # the hosts stopped exchanging: the rest is read from the mirror
     read_alone: int = 0  # bytes the load read from the mirror itself
     closed: bool = False
     _spans: dict[tuple[int, int], _Span] = field(default_factory=dict)
-    _waiting: int = 0  # reads waiting for a span the feed does not hold
+    _wanted: dict[tuple[int, int], int] = field(default_factory=dict)  # reads waiting
     _mutex: threading.Lock = field(default_factory=threading.Lock)
     _arrived: threading.Condition = field(init=False)  # the reads wait on it
     _room: threading.Condition = field(init=False)  # the exchange waits on it
@@ -85,21 +94,34 @@ class SpanFeed:
         return (file, offset) in self.expected
 
     def put(self, file: int, offset: int, data: memoryview) -> None:
-        """Keep a span this host read or received; waits while the feed is full and no
-        read waits for a span it does not hold."""
+        """Keep a span this host read or received (see above for when it waits, and
+        when it drops the span)."""
+        key = (file, offset)
         with self._mutex:
-            if self.expected.pop((file, offset), None) is None or self.closed:
+            if key not in self.expected or self.closed:
                 return  # not this host's to load (or the load is over)
-            while self.held_bytes and self.held_bytes + len(data) > self.budget:
-                if self.closed or self._waiting:
+            left = len(data) - self._in_header(file, offset, len(data))
+            while left > 0 and self.held_bytes and self.held_bytes + left > self.budget:
+                if self.closed or key in self._wanted:
                     break
+                if self._wanted:  # a read waits for another span: let the load read this
+                    self.expected.pop(key)
+                    self.dropped += 1
+                    self._arrived.notify_all()
+                    return
                 self._room.wait(WAKE_S)
-            if self.closed:
+            self.expected.pop(key, None)
+            if self.closed or left <= 0:
                 return
-            self._spans[(file, offset)] = _Span(data, len(data))
+            self._spans[key] = _Span(data, left)
             self.held_bytes += len(data)
             self.peak_bytes = max(self.peak_bytes, self.held_bytes)
             self._arrived.notify_all()
+
+    def _in_header(self, file: int, offset: int, length: int) -> int:
+        """How many of a span's bytes lie in its file's header (read from there)."""
+        head = len(self.headers.get(file, b""))
+        return max(0, min(head, offset + length) - offset)
 
     def stop(self) -> None:
         """The hosts stop exchanging: spans not brought by now are read from the mirror."""
@@ -129,21 +151,28 @@ class SpanFeed:
         the bytes copied, or None where the exchange will not bring them."""
         with self._mutex:
             while True:
+                found = self._holding(file, offset)
+                if found is not None:
+                    return self._copy(found, buf, offset)
                 if self.error is not None:
                     raise FeedClosed(f"the hosts' exchange failed: {self.error}") from self.error
                 if self.closed:
                     raise FeedClosed("the load ended while a read waited for the hosts' exchange")
-                found = self._holding(file, offset)
-                if found is not None:
-                    return self._copy(found, buf, offset)
-                if not self._coming(file, offset):
+                coming = self._coming(file, offset)
+                if coming is None:
                     return None
-                self._waiting += 1
-                self._room.notify_all()  # an exchange waiting for room lets it in
-                try:
-                    self._arrived.wait(WAKE_S)
-                finally:
-                    self._waiting -= 1
+                self._wait_for(coming)
+
+    def _wait_for(self, key: tuple[int, int]) -> None:
+        """Wait a moment for span ``key``, the exchange told a read waits for it."""
+        self._wanted[key] = self._wanted.get(key, 0) + 1
+        self._room.notify_all()  # an exchange waiting for room lets it in
+        try:
+            self._arrived.wait(WAKE_S)
+        finally:
+            self._wanted[key] -= 1
+            if not self._wanted[key]:
+                del self._wanted[key]
 
     def reading(self) -> None:
         """A read past a header: the rounds begin, if they have not."""
@@ -164,20 +193,21 @@ class SpanFeed:
                 return key
         return None
 
-    def _coming(self, file: int, offset: int) -> bool:
+    def _coming(self, file: int, offset: int) -> tuple[int, int] | None:
+        """The span on its way that holds byte ``offset`` of ``file``, if any."""
         if (file, offset) in self.expected:
-            return True
-        return any(
-            key[0] == file and key[1] <= offset < key[1] + length
-            for key, length in self.expected.items()
-        )
+            return (file, offset)
+        for key, length in self.expected.items():
+            if key[0] == file and key[1] <= offset < key[1] + length:
+                return key
+        return None
 
     def _copy(self, key: tuple[int, int], buf: memoryview, offset: int) -> int:
         span = self._spans[key]
         start = offset - key[1]
         n = min(len(buf), len(span.data) - start)
         buf[:n] = span.data[start : start + n]
-        span.left -= n
+        span.left -= n - self._in_header(key[0], offset, n)
         if span.left <= 0:  # read whole (a range read again is read from the mirror)
             del self._spans[key]
             self.held_bytes -= len(span.data)
@@ -235,6 +265,14 @@ class ExchangeOpener:
         index = self.files.get(path)
         if index is None:
             return real  # type: ignore[no-any-return]
+        now = real.identity()
+        if index in self.feed.agreed and (now.size, now.mtime_ns) != self.feed.agreed[index]:
+            real.close()
+            raise FileError(
+                f"{path} changed since the hosts agreed on it (now {now.describe()}); "
+                f"nothing of it was published: run again once the mirror is settled",
+                path=path,
+            )
         return ExchangeSource(self.feed, index, real)
 
     def cancel(self) -> None:

@@ -17,7 +17,8 @@ Which ranks share a host comes from torchrun's variables where they are set, els
 what each rank sees of its machine (:class:`~loaderplug.tensors.ranks.world.World`).
 Whether to split is measured, not configured (``LOADERPLUG_HOST_SPLIT=auto``): the first
 rounds time the mirror's reads and the exchange, and the hosts stop splitting (each
-reads the rest alone, nothing read twice) unless the exchange is the faster.
+reads the rest alone, keeping what it read or received) unless the exchange is the
+faster.
 
 A host that dies or whose network stalls is noticed by its heartbeat within seconds
 (:mod:`loaderplug.tensors.ranks.peers`); every rank of every host then fails, naming it.
@@ -175,7 +176,8 @@ class HostSplit:
     @property
     def leader_owns_all(self) -> bool:
         """Whether the host's leading rank reads every file (every rank of a host
-        decides it alike, before any exchange)."""
+        decides it alike, before any exchange: so also where the hosts then do not
+        split, and the leading rank reads alone)."""
         return self.split_on
 
     def load_settings(self, settings: Settings) -> Settings:
@@ -221,6 +223,8 @@ class HostSplit:
         self._thread = threading.Thread(
             target=self._rounds, name="loaderplug-hosts-exchange", daemon=True
         )
+        if not feed.expected:  # this host lacks nothing: the others need not wait for it
+            self._start_rounds()
 
     def _start_rounds(self) -> None:
         """The rounds begin once the load reads (or ends, reading nothing of them)."""
@@ -251,11 +255,9 @@ class HostSplit:
         if exchange is None or self._thread is None:
             return
         if not completed:
-            exchange.abandoned = True
+            exchange.abandoned = True  # the others read the rest alone
         self._start_rounds()  # the other hosts wait for this host's word in each round
-        if completed:
-            self._join()  # the other hosts may still want this host's spans
-        exchange.feed.close()
+        exchange.feed.close()  # nothing more is kept here: the rounds serve the others
         self._join()
         self._thread = None
         self._conclude()
@@ -270,9 +272,11 @@ class HostSplit:
         assert exchange is not None
         done = exchange.done
         done.mirror_bytes += exchange.feed.read_alone
-        split = exchange.finished
-        hosts = self.hosts
-        self.choice = HostsChoice(hosts, split, _why(self.settings, done, split, hosts), done)
+        split, hosts = exchange.finished, self.hosts
+        why = _why(self.settings, done, split, hosts)
+        if self._failed is not None:
+            why = f"the exchange ended early: {self._failed}"
+        self.choice = HostsChoice(hosts, split, why, done)
 
     def adopt(self, choice: HostsChoice) -> None:
         """What the host's leading rank said the hosts did (on the host's other ranks)."""

@@ -150,7 +150,10 @@ def _shared_pairs(
     files = by_name([Path(p) for p in paths])  # who owns which file: the same on every rank
     local = Path(local_dir) if local_dir is not None else None
     # LOADERPLUG_BYTES_IN_FLIGHT bounds the host: the ranks sharing its load divide it.
-    settings = settings.replace(bytes_in_flight=rank_part(settings.bytes_in_flight, share.size))
+    # (Where the hosts split the reads, the host's leading rank reads every file: its
+    # budget is the host's, less what its exchange holds.)
+    if split is None or not split.leader_owns_all:
+        settings = settings.replace(bytes_in_flight=rank_part(settings.bytes_in_flight, share.size))
     steps = Steps(share, watch(share))
     groups = [share.group]
     try:
