@@ -311,7 +311,7 @@ def at_mount(
             row.update(mount_mib_s=mount, hydrate_s=base["seconds"])
             row["ratio"] = row["slowest_s"] / base["seconds"]
             rows.append(row)
-            print(json.dumps({k: v for k, v in row.items() if k != "why"}), flush=True)
+            print(json.dumps(row), flush=True)
     shutil.rmtree(work / f"hosts{count}", ignore_errors=True)
     return base, rows
 

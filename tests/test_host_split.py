@@ -47,17 +47,17 @@ def rates(*pairs: tuple[float | None, float | None]) -> Exchanged:
     return Exchanged(rates=[(m and m * MiB, x and x * MiB) for m, x in pairs])
 
 
-def test_auto_goes_on_splitting_only_while_the_exchange_beats_the_mirror() -> None:
+def test_auto_goes_on_splitting_only_while_the_split_is_the_faster() -> None:
+    """Each host's pair: its mirror's rate alone, the pace the model reached it split."""
     keep_going = _keep_going(from_env(host_split="auto"), 2)
     assert keep_going is not None
-    assert keep_going(rates((64, 200), (64, 180)))
-    assert not keep_going(rates((400, 100), (300, 120)))
-    # Two hosts: the exchange carries half the model, and must beat half the mirror.
-    assert keep_going(rates((100, 60), (100, 60)))
-    assert not keep_going(rates((100, 45), (100, 45)))
+    assert keep_going(rates((64, 120), (64, 110)))  # a slow mount, a fast link
+    assert not keep_going(rates((320, 100), (300, 120)))  # a fast mount, a slow link
+    # The hosts' means decide: one host's fast pace does not carry a slow one.
+    assert not keep_going(rates((100, 150), (100, 40)))
+    assert keep_going(rates((100, 101), (100, 101))) and not keep_going(rates((100, 99), (100, 99)))
     four = _keep_going(from_env(host_split="auto"), 4)
-    assert four is not None  # four hosts: it carries 3/4
-    assert four(rates((100, 80), (100, 80))) and not four(rates((100, 70), (100, 70)))
+    assert four is not None and four(rates(*[(64, 200)] * 4))
     assert keep_going(rates((None, None), (None, None)))  # nothing measured: go on
     assert _keep_going(from_env(host_split="on"), 2) is None  # forced: never asked
 
@@ -269,3 +269,24 @@ def test_ranks_passing_different_files_fail_on_every_host_with_the_same_cause(
     assert errors[0] == errors[1]
     for rank in range(2):  # nothing published
         assert not (tmp_path / f"local{rank}" / model[0].name).exists()
+
+
+@pytest.mark.distributed
+def test_a_host_whose_load_stops_early_leaves_the_others_loading_alone(
+    tmp_path: Path, model: list[Path]
+) -> None:
+    """A caller on one host closes its load after a tensor: the other host is not
+    failed for it; it reads the rest from its own mirror and gets every tensor."""
+    per_rank = hosts_of(tmp_path, [1, 1])
+    per_rank[1]["RANK_STOP_AFTER"] = "1"
+    # Host 0 takes its tensors slowly and holds little, so the exchange, which goes at
+    # its pace, is mid-way when host 1 stops.
+    per_rank[0]["RANK_TENSOR_SLEEP_S"] = "0.1"
+    env = {"LOADERPLUG_HOST_SPLIT": "on", "LOADERPLUG_BYTES_IN_FLIGHT": "4M"}
+    outs, _ = run_ranks(tmp_path, model, 2, env, per_rank)
+    assert outs[1].get("error") is None and len(outs[1]["tensors"]) == 1, outs[1]
+    assert outs[0].get("error") is None, outs[0]
+    assert outs[0]["tensors"] == expected(model)
+    for f in model:
+        assert (tmp_path / "local0" / f.name).read_bytes() == f.read_bytes()
+    assert "host #1's load ended before the exchange did" in outs[0]["hosts"]["why"]

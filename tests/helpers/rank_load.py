@@ -18,9 +18,10 @@ passed: the default group is found), RANK_VOLUME (what "{volume}" in a FILE stan
 this rank's mount of the mirror), RANK_FILES (this rank's files instead of FILE...,
 joined by os.pathsep: ranks passing the same files in another order, or other files),
 RANK_REPLACE ("N:PATH:NEW": once this rank took N tensors, NEW is renamed over PATH,
-as a download lands a new version), and every LOADERPLUG_* setting. INIT_FILE "env" joins
-by torchrun's variables (RANK, WORLD_SIZE, MASTER_ADDR, ...), RANK and WORLD ignored.
-Prints {"tensors":
+as a download lands a new version), RANK_STOP_AFTER (this rank's consumer closes the
+load after that many tensors, as a caller that stops early), and every LOADERPLUG_*
+setting. INIT_FILE "env" joins by torchrun's variables (RANK, WORLD_SIZE, MASTER_ADDR,
+...), RANK and WORLD ignored. Prints {"tensors":
 {name: [dtype, shape, crc32]}, "reads": {file: bytes read through the source hook},
 "read_paths": the same by path, "hosts": what the hosts did (split, why, bytes read
 from this host's mirror and received), "error": message or null, "seconds": s, "first_tensor_s":
@@ -145,7 +146,11 @@ def consume(load: Any, tensors: dict[str, object]) -> None:
     consumer_sleep = float(os.environ.get("RANK_CONSUMER_SLEEP_S", "0"))
     tensor_sleep = float(os.environ.get("RANK_TENSOR_SLEEP_S", "0"))
     replace = os.environ["RANK_REPLACE"].split(":") if os.environ.get("RANK_REPLACE") else None
+    stop_after = int(os.environ.get("RANK_STOP_AFTER", "0"))
     for n, (name, tensor) in enumerate(load, start=1):
+        if stop_after and n > stop_after:
+            load.close()
+            return
         dtype = str(tensor.dtype).removeprefix("torch.")
         if tensor.device.type == "cpu":
             raw = tensor.contiguous().view(-1).view(torch.uint8).numpy().tobytes()

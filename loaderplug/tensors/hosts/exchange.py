@@ -61,7 +61,10 @@ from loaderplug.units import MiB
 # spans 0.75x / 0.56x the side-by-side hydrate at 1 / 4 Gbit/s, 4 MiB 0.53x / 0.51x.
 EXCHANGE_SPAN = 4 * MiB
 MOST_READERS = 16
-# The round after which the rates are compared: the gathers of rounds 2 and 3 timed.
+# The round after which the rates are compared: rounds 2 to 4 timed (the first pays for
+# starting up). Measured (benchmarks/multihost_bench.py, 2 GiB, 2 hosts, mounts at 320
+# MiB/s, links at 1 and 10 Gbit/s): deciding at round 6, auto took 1.10-1.12x the time of
+# not splitting at all, the rounds before the decision and the group's start the cost.
 DECIDED_AT = 4
 # Readers side by side under LOADERPLUG_READERS=auto.
 AUTO_READERS = 8
@@ -96,8 +99,11 @@ class Exchanged:
     received_bytes: int = 0
     rounds: int = 0
     exchange_s: float = 0.0  # in the rounds' gathers
-    mirror_rate: float | None = None  # bytes/s, this host's mount
-    exchange_rate: float | None = None  # bytes/s received from the others
+    mirror_rate: float | None = None  # bytes/s, this host's mount while it read
+    exchange_rate: float | None = None  # bytes/s received from the others, per gather second
+    # Bytes/s of spans reaching this host, read or received, round after round: the pace
+    # of the split as a whole (reads, gathers, lockstep), against the mirror's alone.
+    split_rate: float | None = None
     rates: list[tuple[float | None, float | None]] = field(default_factory=list)  # each host's
     not_split: str | None = None  # why the hosts did not split at all
 
@@ -137,6 +143,7 @@ class HostExchange:
         self.span = settings.span_bytes or EXCHANGE_SPAN  # agreed by the hosts' caller
         self.done = Exchanged()
         self._measured = [0.0, 0.0]  # bytes received, seconds, in the measured gathers
+        self._paced: list[float] = []  # bytes reaching this host since round 1, its end
         self._spans: list[Span] = []
         self._states: list[list[HostFile]] = []
         self.finished = False  # every span reached every host
@@ -292,6 +299,15 @@ class HostExchange:
             if untried[0] == self.me:
                 reads.add(index)
 
+    def _pace(self, arrived: int) -> None:
+        """Count a round's bytes into the split's pace (from the end of round 1)."""
+        now = time.monotonic()
+        if not self._paced:
+            self._paced = [0.0, now]
+            return
+        self._paced[0] += arrived
+        self.done.split_rate = self._paced[0] / max(now - self._paced[1], 1e-6)
+
     def _move(self, said: list[Any], spans: list[Span], reads: SpanReads) -> None:
         """The round's spans to every host, each kept in the feed where it is lacking."""
         lengths = [s[1][1] if s is not None and s[0] == "span" else 0 for s in said]
@@ -302,6 +318,7 @@ class HostExchange:
         gathered = self.steps.gather(reads.payload(longest))
         took = time.monotonic() - started
         self.done.exchange_s += took
+        self._pace(sum(lengths))
         if self.done.rounds > 1:  # the first round's gather pays for starting up
             self._measured[0] += sum(lengths) - lengths[self.me]
             self._measured[1] += took
@@ -335,7 +352,7 @@ class SpanReads:
         self._ahead = max(1, min(MOST_READERS, ahead_bytes(settings) // exchange.span))
         # Spans the readers may have in flight now: one at first, so the first round's
         # span is read at the mount's whole pace (the first tensors wait for it), then
-        # two more for each span read, up to ``_ahead``.
+        # ``_ahead``.
         self._ramp = 1
         readers = settings.readers if isinstance(settings.readers, int) else AUTO_READERS
         self._readers = max(1, min(self._ahead, readers, len(self._queue)))
@@ -413,7 +430,7 @@ class SpanReads:
         if not self._pending:
             return None
         index, future = self._pending.pop(0)
-        self._ramp += 2
+        self._ramp = self._ahead
         self._fill()
         try:
             buf, _ = future.result()
@@ -428,13 +445,17 @@ class SpanReads:
         return ("span", (index, span.length, self._rates(done)))
 
     def _rates(self, done: Exchanged) -> tuple[float | None, float | None]:
-        """The mount's rate (the bytes its readers, side by side, read from the first
-        read's start to the last one's end), and the exchange's, as measured so far."""
-        timed = list(self._timed)
+        """The mount's rate (the bytes its readers read, side by side, over the time some
+        read was in flight: not the time they waited for the rounds to take their
+        spans), and the split's pace, as measured so far."""
+        timed = sorted(self._timed)
         if timed:
-            seconds = max(end for _, end, _ in timed) - min(start for start, _, _ in timed)
-            done.mirror_rate = sum(n for _, _, n in timed) / max(seconds, 1e-6)
-        return done.mirror_rate, done.exchange_rate
+            busy, until = 0.0, timed[0][0]
+            for start, end, _ in timed:
+                busy += max(0.0, end - max(start, until))
+                until = max(until, end)
+            done.mirror_rate = sum(n for _, _, n in timed) / max(busy, 1e-6)
+        return done.mirror_rate, done.split_rate
 
     def payload(self, longest: int) -> Any:
         """What this host puts into the round's gather: its span, padded to ``longest``."""

@@ -358,19 +358,20 @@ def _leaders(world: World, group: Any, settings: Settings) -> Steps:
 
 
 def _keep_going(settings: Settings, hosts: int) -> Callable[[Exchanged], bool] | None:
-    """Under ``auto``, whether to go on splitting once the rates are measured. Split, a
-    host reads 1/H of the model from its mirror and receives (H-1)/H over the exchange,
-    side by side; alone, it reads all of it: splitting pays while the exchange, carrying
-    its (H-1)/H, beats the mirror carrying all (rates as the hosts' mean: bytes a host
-    receives, or reads, per second)."""
+    """Under ``auto``, whether to go on splitting once the rates are measured. Split, the
+    model reaches a host at the pace its spans arrived in the measured rounds (read from
+    its mount or received, the reads, the gathers and the rounds' lockstep all in it);
+    alone, at the pace its mount read while it read. Splitting pays while the first is
+    the faster (each the hosts' mean: a split goes at its slowest host's pace, and the
+    hosts decide alike). The local disk, and the device, take the same bytes either way."""
     if settings.host_split == "on":
         return None
 
     def keep_going(done: Exchanged) -> bool:
-        mirror, exchange = _mean_rates(done)
-        if mirror is None or exchange is None:
+        mirror, split = _mean_rates(done)
+        if mirror is None or split is None:
             return True
-        return exchange * hosts / (hosts - 1) > mirror
+        return split > mirror
 
     return keep_going
 
@@ -387,16 +388,16 @@ def _mean_rates(done: Exchanged) -> tuple[float | None, float | None]:
 def _why(settings: Settings, done: Exchanged, split: bool, hosts: int) -> str:
     if done.not_split is not None:
         return f"{done.not_split}: each host read its own mirror"
-    mirror, exchange = _mean_rates(done)
-    if mirror is None or exchange is None:
+    mirror, pace = _mean_rates(done)
+    if mirror is None or pace is None:
         measured = "too little to measure"
     else:
         measured = (
-            f"exchange {exchange / MiB:.0f} MiB/s for {hosts - 1}/{hosts} of the model, "
-            f"mirror {mirror / MiB:.0f} MiB/s for all of it, per host"
+            f"the model reached each host at {pace / MiB:.0f} MiB/s split, its mirror "
+            f"read {mirror / MiB:.0f} MiB/s alone"
         )
     if settings.host_split == "on":
         return f"LOADERPLUG_HOST_SPLIT=on ({measured})"
     if split:
-        return f"the exchange beats the mirror ({measured})"
-    return f"the mirror is as fast as the exchange ({measured}): each host read the rest alone"
+        return f"the split is the faster ({measured})"
+    return f"the mirror alone is as fast ({measured}): each host read the rest alone"
