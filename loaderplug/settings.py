@@ -365,9 +365,9 @@ class Settings:
         "on, the hosts split the mirror's ranges between them, each reads about 1/H from "
         "its own mount and they exchange what they read over the group, so the mirror is "
         "read once in all and each tensor is handed over as its bytes arrive; off, every "
-        "host reads the whole model itself; auto, on with two or more hosts while the "
-        "exchange measured in the first rounds beats the mirror's measured rate for its "
-        "share ((H-1)/H of the model against all of it). One host: never.",
+        "host reads the whole model itself; auto, on with two or more hosts while the pace "
+        "at which the model reached the hosts split, measured in the first rounds, beats "
+        "their mounts' rate alone. One host: never.",
         choices=get_args(HostSplit),
     )
     rank_sharing: RankSharing = _setting(

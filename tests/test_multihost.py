@@ -236,6 +236,28 @@ def slow_hosts(tmp_path: Path, model: list[Path]) -> Any:
     return hosts, host_volumes(hosts, model[0].parent, tmp_path / "hosts", throttle)
 
 
+@pytest.mark.slow("two ranks on two simulated hosts, streaming; one host killed")
+@pytest.mark.crash
+def test_a_host_that_dies_mid_stream_is_named_by_the_other(
+    tmp_path: Path, model: list[Path]
+) -> None:
+    """Tensors alone (no local copy): the survivor fails within seconds, naming the
+    dead host, and writes nothing."""
+    hosts, volumes = slow_hosts(tmp_path, model)
+    with hosts, volumes as storages:
+        procs = start(hosts, storages, model, 1, one_pass=False)
+        deadline = time.monotonic() + 60
+        while storages[0].volume.stats()["bytes_read"] < model_bytes(model) / 8:
+            assert time.monotonic() < deadline, "the exchange never started"
+            time.sleep(0.05)
+        lost_at = time.monotonic()
+        hosts[1].kill()
+        survivor = results(procs[:1])[0]
+        assert "host1" in (survivor.get("error") or ""), survivor
+        assert survivor["ended"] - lost_at < 20  # the heartbeat's 5 s and a step
+        assert not any(storages[0].local.iterdir())
+
+
 @pytest.mark.slow("two ranks on two simulated hosts; one host killed, then a rerun")
 @pytest.mark.crash
 @pytest.mark.parametrize(
