@@ -78,12 +78,16 @@ class HostFile:
     mtime_ns: int
     current: bool  # the local copy is current: nothing to write
     landed: tuple[tuple[int, int], ...]  # durable in a partial copy a killed run left
-    # The SHA-256 of its header: two hosts' mirrors holding files of one size and mtime
-    # but another layout are told apart before any span is exchanged.
-    header_digest: str = ""
     # Its first bytes up to the end of the header, as this host read them (empty where
     # it could not): a host whose mount fails there plans its load from another's.
     header: bytes = b""
+
+    @property
+    def header_digest(self) -> str:
+        """The SHA-256 of its header ("" where this host could not read it): two hosts'
+        mirrors holding files of one size and mtime but another layout are told apart
+        before any span is exchanged."""
+        return hashlib.sha256(self.header[LENGTH_BYTES:]).hexdigest() if self.header else ""
 
     def has(self, span: Span) -> bool:
         return self.current or Landed(self.landed).covers(span.offset, span.length)
@@ -100,7 +104,6 @@ class Exchanged:
     rounds: int = 0
     exchange_s: float = 0.0  # in the rounds' gathers
     mirror_rate: float | None = None  # bytes/s, this host's mount while it read
-    exchange_rate: float | None = None  # bytes/s received from the others, per gather second
     # Bytes/s of spans reaching this host, read or received, round after round: the pace
     # of the split as a whole (reads, gathers, lockstep), against the mirror's alone.
     split_rate: float | None = None
@@ -142,7 +145,6 @@ class HostExchange:
         self.hosts, self.me = steps.share.size, steps.share.rank
         self.span = settings.span_bytes or EXCHANGE_SPAN  # agreed by the hosts' caller
         self.done = Exchanged()
-        self._measured = [0.0, 0.0]  # bytes received, seconds, in the measured gathers
         self._paced: list[float] = []  # bytes reaching this host since round 1, its end
         self._spans: list[Span] = []
         self._states: list[list[HostFile]] = []
@@ -206,9 +208,7 @@ class HostExchange:
                 current = is_current_copy(dst, identity)
                 landed = None if current else read_landed(dst, identity)
                 ranges = landed.ranges if landed is not None else ()
-            head = _header_of(path)
-            digest = hashlib.sha256(head[LENGTH_BYTES:]).hexdigest() if head else ""
-            file = HostFile(identity.size, identity.mtime_ns, current, ranges, digest, head)
+            file = HostFile(identity.size, identity.mtime_ns, current, ranges, _header_of(path))
             looked.append(file)
         return looked
 
@@ -319,10 +319,6 @@ class HostExchange:
         took = time.monotonic() - started
         self.done.exchange_s += took
         self._pace(sum(lengths))
-        if self.done.rounds > 1:  # the first round's gather pays for starting up
-            self._measured[0] += sum(lengths) - lengths[self.me]
-            self._measured[1] += took
-            self.done.exchange_rate = self._measured[0] / max(self._measured[1], 1e-6)
         for host, (step, length) in enumerate(zip(said, lengths, strict=True)):
             if length == 0:
                 continue

@@ -71,7 +71,6 @@ class SpanFeed:
     peak_bytes: int = 0
     dropped: int = 0  # spans that found no room while a read waited for another
     error: BaseException | None = None
-    alone: bool = False  # the hosts stopped exchanging: the rest is read from the mirror
     read_alone: int = 0  # bytes the load read from the mirror itself
     closed: bool = False
     _spans: dict[tuple[int, int], _Span] = field(default_factory=dict)
@@ -126,7 +125,6 @@ class SpanFeed:
     def stop(self) -> None:
         """The hosts stop exchanging: spans not brought by now are read from the mirror."""
         with self._mutex:
-            self.alone = True
             self.expected.clear()
             self._wake_all()
 

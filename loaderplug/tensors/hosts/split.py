@@ -142,9 +142,9 @@ class HostSplit:
 
     def __init__(self, hosts: int, leader: bool, settings: Settings) -> None:
         self.leader, self.settings = leader, settings
-        self.split_on = settings.host_split != "off"
-        why = "LOADERPLUG_HOST_SPLIT=off" if not self.split_on else "the host's leading rank"
-        self.choice = HostsChoice(hosts, self.split_on, why)
+        on = self.leader_owns_all
+        why = "the host's leading rank" if on else "LOADERPLUG_HOST_SPLIT=off"
+        self.choice = HostsChoice(hosts, on, why)
         self.error: BaseException | None = None  # a failure before the load began
         self.opener: ExchangeOpener | None = None
         self._exchange: HostExchange | None = None
@@ -178,7 +178,7 @@ class HostSplit:
         """Whether the host's leading rank reads every file (every rank of a host
         decides it alike, before any exchange: so also where the hosts then do not
         split, and the leading rank reads alone)."""
-        return self.split_on
+        return self.settings.host_split != "off"
 
     def load_settings(self, settings: Settings) -> Settings:
         """The settings of the load this rank runs: on a leading rank that exchanges,
