@@ -222,6 +222,14 @@ class Settings:
         minimum=0,
         maximum=7 * 24 * 3600,
     )
+    object_timeout_s: int = _setting(
+        "int",
+        30,
+        "Seconds an object store may take to answer a request, or between two parts of "
+        "its answer, before the request is retried (s3://, gs://, az:// mirrors).",
+        minimum=1,
+        maximum=3600,
+    )
     disable_plugins: tuple[str, ...] = _setting(
         "names", (), "Plugins (entry-point or registered names) that must not load."
     )

@@ -30,6 +30,9 @@ RankSharing = Literal["auto", "pagecache", "broadcast", "stream"]
 # parse (loaderplug.settings.RENAMED_VALUES).
 Owned = Literal["auto", "own", "map"]
 MirrorKind = Literal["hub", "folder"]
+# The filesystem type an object store's objects are read as (see IOPolicy.object_store):
+# no mount, no page cache, no descriptor; ranged GETs by the store's client.
+OBJECT_STORE_TYPES = ("s3", "gcs", "azure")
 
 
 @dataclass(frozen=True)
@@ -60,6 +63,12 @@ class IOPolicy:
         return IOPolicy(direct=False, alignment=1, fs_type=fs_type, reason=reason)
 
     @property
+    def object_store(self) -> bool:
+        """Whether the path is an object in a store: it is never mapped or opened as a
+        file, only read by ranges."""
+        return self.fs_type in OBJECT_STORE_TYPES
+
+    @property
     def stable_inodes(self) -> bool:
         """Whether an inode number names the file for good on this filesystem. FUSE
         reports the kernel's node ids unless its server keeps numbers of its own
@@ -82,13 +91,15 @@ class IOPolicy:
 class Identity:
     """What must stay the same while a file is read or copied: size, mtime and inode,
     and where known (0: not known, as for an identity another host sent) the device and
-    the change time, which a rewrite in place that restores the mtime still moves."""
+    the change time, which a rewrite in place that restores the mtime still moves. An
+    object in a store has no inode: its ``etag`` (or generation) names its version."""
 
     size: int
     mtime_ns: int
     inode: int
     device: int = 0
     ctime_ns: int = 0
+    etag: str = ""
 
     @staticmethod
     def of(st: os.stat_result) -> Identity:
@@ -101,6 +112,7 @@ class Identity:
         where both sides know it. Without stable inodes the change time is not compared
         either: such a filesystem (FUSE) may make it up at each lookup."""
         same = self.size == other.size and self.mtime_ns == other.mtime_ns
+        same = same and (not self.etag or not other.etag or self.etag == other.etag)
         if not same or not inode:
             return same
         return (
@@ -110,6 +122,8 @@ class Identity:
         )
 
     def describe(self) -> str:
+        if self.etag:
+            return f"size {self.size}, ETag {self.etag}"
         known = f", device {self.device}" if self.device else ""
         known += f", ctime_ns {self.ctime_ns}" if self.ctime_ns else ""
         return f"size {self.size}, mtime_ns {self.mtime_ns}, inode {self.inode}{known}"

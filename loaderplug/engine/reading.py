@@ -200,6 +200,10 @@ class SpanReader:
         took, and ``step_read(n)`` of each step read."""
         try:
             source = self.sources.get(task)
+            # A source that reads by requests (an object store's) makes the span one.
+            will_read = getattr(source, "will_read", None)
+            if will_read is not None:
+                will_read(offset, length)
             pos = 0
             while pos < length:
                 n = min(READ_STEP, length - pos)

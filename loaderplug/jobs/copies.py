@@ -22,11 +22,13 @@ from loaderplug.jobs import manifest as manifest_mod
 from loaderplug.jobs.file_sink import temps_of
 from loaderplug.jobs.locks import folder_lock
 from loaderplug.jobs.model_folder import path_problem, symlink_problem, temp_files, walk
+from loaderplug.jobs.object_copies import object_hydrate_plan, sync_to_objects
 from loaderplug.jobs.plan import Expect, FileEntry, Listing, Plan
 from loaderplug.jobs.runner import run
 from loaderplug.jobs.sync_mark import SyncMark, wait_for_sync
 from loaderplug.report import TransferReport
 from loaderplug.settings import Settings, from_env
+from loaderplug.storage.object_urls import ObjectURL, is_object_url
 
 
 def hydrate(
@@ -44,6 +46,8 @@ def hydrate(
     default) a job with failed files raises :class:`TransferFailed`, whose ``report``
     says what happened to each file; every file that did land is published.
     """
+    if is_object_url(src):
+        return _copy_objects("hydrate", src, dst, check, settings, overrides)
     return _copy_tree("hydrate", Path(src), Path(dst), check, settings, overrides)
 
 
@@ -56,7 +60,31 @@ def sync(
     **overrides: Any,
 ) -> TransferReport:
     """Copy a local model folder to the mirror, then write the mirror's manifest last."""
+    if is_object_url(mirror):
+        return _copy_objects("sync", mirror, local, check, settings, overrides)
     return _copy_tree("sync", Path(local), Path(mirror), check, settings, overrides)
+
+
+def _copy_objects(
+    job: str,
+    url: str | os.PathLike[str],
+    local: str | os.PathLike[str],
+    check: bool,
+    settings: Settings | None,
+    overrides: dict[str, Any],
+) -> TransferReport:
+    """A hydrate from the bucket at ``url`` to ``local``, or a sync the other way."""
+    job_settings = (settings if settings is not None else from_env()).replace(**overrides)
+    where = ObjectURL.parse(
+        str(url), variable=f"{job} {'source' if job == 'hydrate' else 'mirror'}"
+    )
+    if job == "hydrate":
+        report = run(object_hydrate_plan(where, Path(local), job_settings), job_settings)
+    else:
+        report = sync_to_objects(Path(local), where, job_settings)
+    if check and not report.ok:
+        raise TransferFailed(report)
+    return report
 
 
 def _copy_tree(

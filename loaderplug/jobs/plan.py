@@ -37,13 +37,14 @@ class FileEntry:
     """One file of a job: where its bytes are, what they must be, where a copy goes.
 
     ``rel`` names the file in the report (its path under the destination, or its name
-    for a load). With ``copy_to`` the file is published there, unless the copy there is
-    current already; without it the file is only read. A copy gets the source's
-    permission bits (``mode``), within the umask.
+    for a load). ``source`` is a path, or an object's URL (a ``str``), which only the
+    plan's ``open_source`` opens. With ``copy_to`` the file is published there, unless
+    the copy there is current already; without it the file is only read. A copy gets
+    the source's permission bits (``mode``), within the umask.
     """
 
     rel: str
-    source: Path
+    source: Path | str
     identity: Identity
     copy_to: Path | None = None
     mode: int = 0o644
@@ -138,6 +139,9 @@ class Plan:
     finish: Callable[[Listing, TransferReport], None] | None = None
     around: Callable[[], AbstractContextManager[Any]] | None = None
     # The engine reads the files' bytes through this instead of the plugins' sources
-    # (a load split across hosts: the exchange answers its reads); with a ``cancel()``,
-    # called when the engine is cancelled, so that no read waits on after it.
+    # (a load split across hosts: the exchange answers its reads; objects in a store);
+    # with a ``cancel()``, called when the engine is cancelled, so that no read waits on
+    # after it.
     open_source: Opener | None = None
+    # How every source is read where no filesystem decides it (objects in a store).
+    source_policy: IOPolicy | None = None

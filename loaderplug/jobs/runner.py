@@ -201,10 +201,12 @@ class Runner:
         job was asked to read (``requested``), with ``note`` when another is read."""
         delivery = self.plan.delivery
         cached: float | None = NOT_ASKED
-        if delivery is None:
-            policy = self._policy(entry.source)
+        if self.plan.source_policy is not None:
+            policy = self.plan.source_policy
+        elif delivery is None:
+            policy = self._policy(Path(entry.source))
         else:  # whether a file to load is in the page cache is its own
-            policy, cached = self.plugins.file_policy(entry.source)
+            policy, cached = self.plugins.file_policy(Path(entry.source))
         sinks, resume = self._copy_sinks(entry, prepared)
         mode = f"{'direct' if policy.direct else 'buffered'} ({policy.reason}){note}"
         if delivery is not None:

@@ -7,6 +7,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from loaderplug.types import OBJECT_STORE_TYPES
+
 # Network, distributed and userspace filesystems: buffered reads keep readahead and the
 # page cache working for them. Every FUSE mount counts (``fuse``, ``fuseblk`` and, matched
 # by prefix below, ``fuse.*``): userspace servers such as geesefs or s3fs are networked.
@@ -31,6 +33,8 @@ BUFFERED_TYPES = frozenset(
         "tmpfs",
         "ramfs",
     }
+    # Objects in a store: remote, read by requests (see IOPolicy.object_store).
+    | set(OBJECT_STORE_TYPES)
 )
 
 # statfs f_type magic numbers, for mounts whose name says nothing (e.g. "none").

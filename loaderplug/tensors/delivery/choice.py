@@ -127,11 +127,14 @@ class TensorDelivery:
     ) -> Sink | None:
         if self.started is None:
             self.started = time.monotonic()
-        here = entry.copy_to is None and (self.may_map or self.serves_here)
+        # An object in a store is no file to map or to read whole: the engine reads it.
+        here = (
+            entry.copy_to is None and not policy.object_store and (self.may_map or self.serves_here)
+        )
         # None is (a load to a device with a backend): its page cache is not measured.
-        in_memory = here and self._in_memory(policy, entry.source, cached)
+        in_memory = here and self._in_memory(policy, Path(entry.source), cached)
         why = (
-            self.map_rule.why_mapped(entry.source, policy, in_memory)
+            self.map_rule.why_mapped(Path(entry.source), policy, in_memory)
             if here and self.may_map
             else None
         )
@@ -256,7 +259,7 @@ class TensorDelivery:
             return None
         if entry.copy_to is not None:
             return str(partial_for(entry.copy_to))
-        if shares_page_cache(policy) and self.map_rule.is_own_copy(entry.source):
+        if shares_page_cache(policy) and self.map_rule.is_own_copy(Path(entry.source)):
             return str(entry.source)
         return None
 

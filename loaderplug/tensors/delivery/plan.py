@@ -20,6 +20,8 @@ from loaderplug.jobs.locks import file_lock, folder_lock
 from loaderplug.jobs.plan import FileEntry, Listing, Plan
 from loaderplug.settings import Settings
 from loaderplug.storage.mounts import filesystem_type, is_network_type
+from loaderplug.storage.object_source import ObjectFiles, object_policy
+from loaderplug.storage.object_urls import ObjectURL, is_object_url
 from loaderplug.tensors.delivery.choice import TensorDelivery
 from loaderplug.tensors.delivery.map_rule import MapRule
 from loaderplug.tensors.device.path import DevicePath
@@ -45,10 +47,18 @@ def load_plan(
     memory are mapped is the load's :class:`~loaderplug.tensors.delivery.map_rule.MapRule`
     (``shared_by_ranks``: the ranks' own, which maps only own local copies).
     ``open_source``: what the engine reads the files through (a split across hosts)."""
-    files = [Path(p) for p in paths]
     local = Path(local_dir) if local_dir is not None else None
     if local is not None and is_network_type(filesystem_type(local)):
         through_page_cache = False
+    delivery = TensorDelivery(
+        device,
+        settings,
+        through_page_cache=through_page_cache,
+        map_rule=MapRule.of(settings, local, shared_by_ranks=shared_by_ranks),
+    )
+    if paths and all(is_object_url(p) for p in paths):
+        return _objects_plan([str(p) for p in paths], local, delivery, settings, lock_each_file)
+    files = [Path(p) for p in paths]
 
     def list_files() -> Listing:
         listing = Listing()
@@ -70,22 +80,51 @@ def load_plan(
         source=",".join(map(str, paths)),
         destination=local,
         list_files=list_files,
-        locks=_locks(local, files, lock_each_file),
+        locks=_locks(local, [f.name for f in files], lock_each_file),
         leftovers=lambda: [t for f in files for t in temps_of(local / f.name)] if local else [],
-        delivery=TensorDelivery(
-            device,
-            settings,
-            through_page_cache=through_page_cache,
-            map_rule=MapRule.of(settings, local, shared_by_ranks=shared_by_ranks),
-        ),
+        delivery=delivery,
         open_source=open_source,
     )
 
 
-def _locks(local: Path | None, files: list[Path], each_file: bool) -> tuple[Path, ...]:
+def _objects_plan(
+    urls: list[str],
+    local: Path | None,
+    delivery: TensorDelivery,
+    settings: Settings,
+    lock_each_file: bool,
+) -> Plan:
+    """The plan of a load of objects in a store: each asked for once (a HEAD), read by
+    ranged GETs at that version; with ``local``, published there as by any one pass."""
+    objects = ObjectFiles(settings.object_timeout_s)
+    where = [ObjectURL.parse(u, variable="path") for u in urls]
+    names = [u.name for u in where]
+
+    def list_files() -> Listing:
+        listing = Listing()
+        for url in where:
+            identity = objects.head(url).identity()
+            copy_to = local / url.name if local is not None else None
+            listing.files.append(FileEntry(url.name, str(url), identity, copy_to))
+        return listing
+
+    return Plan(
+        job="load",
+        source=",".join(urls),
+        destination=local,
+        list_files=list_files,
+        locks=_locks(local, names, lock_each_file),
+        leftovers=lambda: [t for n in names for t in temps_of(local / n)] if local else [],
+        delivery=delivery,
+        open_source=objects,
+        source_policy=object_policy(where[0]),
+    )
+
+
+def _locks(local: Path | None, names: list[str], each_file: bool) -> tuple[Path, ...]:
     if local is None:
         return ()
     if not each_file:
         return (folder_lock(local),)
     # Sorted: two jobs that share some files take their locks in the same order.
-    return tuple(sorted(file_lock(local / f.name) for f in files))
+    return tuple(sorted(file_lock(local / name) for name in names))

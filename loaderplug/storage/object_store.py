@@ -1,0 +1,311 @@
+"""An object store's client: list, head, ranged GETs, uploads and conditional writes.
+
+One small interface (:class:`ObjectStore`) over obstore, the client chosen by
+measurement (docs/benchmarks.md, "Object store clients"): one client for S3, GCS and
+Azure, its requests made in Rust with the GIL released, so the engine's reader threads
+run in parallel. obstore is an extra (``pip install loaderplug[objectstore]``), imported
+only when a URL is read.
+
+Credentials and endpoints are the standard chains as the store's own tools read them:
+AWS's environment (keys, session tokens, ``AWS_ENDPOINT_URL`` and
+``AWS_ENDPOINT_URL_S3``, web identity, container and instance credentials,
+``AWS_SKIP_SIGNATURE`` for public buckets) with ``AWS_PROFILE`` through boto3 where it
+is installed, GCS's application default credentials, Azure's account key or default
+credential; path-style requests (S3-compatible stores) unless
+``AWS_VIRTUAL_HOSTED_STYLE_REQUEST`` says otherwise; ``AWS_CA_BUNDLE`` (or
+``SSL_CERT_FILE``) as an extra root certificate.
+
+Every failure becomes an ``OSError`` the engine knows: EAGAIN where the store asks for
+less (429, 503 SlowDown), EIO where a retry may succeed (timeouts, resets, other 5xx),
+EACCES, ENOENT, ENOSPC or EINVAL where it cannot; its text names the URL, redacted
+(:func:`loaderplug.storage.object_urls.redact`), never a credential.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import re
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from loaderplug.storage.object_urls import ObjectURL, redact
+from loaderplug.types import Identity
+
+# The HTTP answers a retry may cure, and those that ask the client to slow down.
+_SLOW_DOWN = frozenset({429, 503})
+_STATUS = re.compile(r"status code: (\d{3})|\b(\d{3}) (?:Service Unavailable|Slow Down|Too Many)")
+# Words of a failed transfer (no HTTP answer, or a body cut short) in the client's text.
+_TRANSIENT_WORDS = (
+    "timed out",
+    "timeout",
+    "reset",
+    "connection",
+    "error sending request",
+    "error decoding response body",
+    "incomplete",
+    "broken pipe",
+    "unexpected eof",
+    "slowdown",
+)
+# Uploads are cut into parts of this size, this many in flight per object.
+PART_BYTES = 16 * 1024 * 1024
+PARTS_IN_FLIGHT = 8
+
+
+class ObjectChanged(Exception):
+    """An object was replaced after it was listed (its ETag no longer matches)."""
+
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    """One object under a URL: its key relative to the URL's prefix, and its version."""
+
+    rel: str
+    size: int
+    etag: str
+    mtime_ns: int
+
+    def identity(self) -> Identity:
+        return Identity(self.size, self.mtime_ns, 0, etag=self.etag)
+
+
+class ObjectStore:
+    """A bucket's client; its methods take keys under the bucket (not the prefix)."""
+
+    def __init__(self, url: ObjectURL, timeout_s: float) -> None:
+        self.url = url.root
+        obstore_store = _obstore().store
+        # Ranged reads are retried by the engine, span by span, with its own backoff;
+        # the other calls by the client.
+        self._reads = _make_store(obstore_store, self.url, timeout_s, retries=0)
+        self._calls = _make_store(obstore_store, self.url, timeout_s, retries=3)
+
+    def list(self, prefix: str) -> list[ObjectInfo]:
+        """Every object under ``prefix`` (a key prefix ending at a ``/``, or ``""``)."""
+        below = f"{prefix}/" if prefix else ""
+        objects = []
+        with self._errors(prefix):
+            for batch in _obstore().list(self._calls, prefix=prefix or None):
+                for meta in batch:
+                    path = str(meta["path"])
+                    if below and not path.startswith(below):
+                        continue  # a sibling sharing the prefix's first letters
+                    objects.append(_info(path[len(below) :], meta))
+        return objects
+
+    def head(self, key: str) -> ObjectInfo:
+        with self._errors(key):
+            return _info(key, _obstore().head(self._calls, key))
+
+    def read_into(self, key: str, offset: int, buf: memoryview, etag: str) -> int:
+        """One ranged GET of ``len(buf)`` bytes at ``offset`` of version ``etag``."""
+        done = 0
+        for chunk in self.stream(key, offset, len(buf), etag):
+            view = memoryview(chunk)
+            buf[done : done + len(view)] = view
+            done += len(view)
+        return done
+
+    def stream(self, key: str, offset: int, length: int, etag: str) -> Iterator[Any]:
+        """The bytes of one ranged GET as they arrive, each chunk a buffer; raises
+        :class:`ObjectChanged` where the object is no longer version ``etag``."""
+        options: dict[str, Any] = {"range": (offset, offset + length)}
+        if etag:
+            options["if_match"] = etag
+        ob = _obstore()
+        with self._errors(key):
+            result = ob.get(self._reads, key, options=options)
+            yield from result.stream(min_chunk_size=1024 * 1024)
+
+    def put_file(self, key: str, path: str) -> None:
+        """Upload ``path`` as ``key``: in parallel parts above one part's size, the
+        object appearing whole or not at all (an interrupted upload is aborted)."""
+        with self._errors(key), open(path, "rb") as file:
+            _obstore().put(
+                self._calls,
+                key,
+                file,
+                chunk_size=PART_BYTES,
+                max_concurrency=PARTS_IN_FLIGHT,
+            )
+
+    def put_bytes(self, key: str, data: bytes, *, if_absent: bool = False) -> bool:
+        """Write ``data`` as ``key``; with ``if_absent``, only where no object bears
+        the key yet (False: one does)."""
+        ob = _obstore()
+        with self._errors(key):
+            try:
+                ob.put(self._calls, key, data, mode="create" if if_absent else "overwrite")
+            except ob.exceptions.AlreadyExistsError:
+                return False
+            except ob.exceptions.PreconditionError:
+                return False
+        return True
+
+    def get_bytes(self, key: str) -> bytes:
+        with self._errors(key):
+            return bytes(_obstore().get(self._calls, key).bytes())
+
+    def delete(self, key: str) -> None:
+        with self._errors(key):
+            _obstore().delete(self._calls, key)
+
+    def _errors(self, key: str) -> _AsOSError:
+        return _AsOSError(str(self.url.child(key)) if key else str(self.url))
+
+
+class _AsOSError:
+    """Turns the client's errors into ``OSError`` naming ``url`` (see the module)."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: Any
+    ) -> None:
+        if exc is None or not isinstance(exc, Exception):
+            return
+        if isinstance(exc, (ObjectChanged, OSError)) and not _is_client_error(exc):
+            return
+        raise as_os_error(exc, self.url) from None
+
+
+def _is_client_error(exc: BaseException) -> bool:
+    return type(exc).__module__.startswith("obstore")
+
+
+def as_os_error(exc: BaseException, url: str) -> BaseException:
+    """The ``OSError`` (or :class:`ObjectChanged`) a client error means for ``url``."""
+    ob = _obstore()
+    text = str(exc)
+    first = redact(text.split("\n", 1)[0])[:300]
+    status = _status_of(text)
+    if isinstance(exc, ob.exceptions.PreconditionError) or status == 412:
+        return ObjectChanged(f"{url} was replaced while being read (its ETag changed)")
+    if isinstance(exc, FileNotFoundError) or status == 404:
+        what = "the bucket does not exist" if "NoSuchBucket" in text else "no such object"
+        return FileNotFoundError(errno.ENOENT, f"{what} ({first})", url)
+    if isinstance(
+        exc, (ob.exceptions.PermissionDeniedError, ob.exceptions.UnauthenticatedError)
+    ) or status in (401, 403):
+        return PermissionError(
+            errno.EACCES,
+            f"access denied: check the credentials and the bucket's policy ({first})",
+            url,
+        )
+    if status in _SLOW_DOWN or "SlowDown" in text:
+        return OSError(errno.EAGAIN, f"the store asks to slow down ({status or 'SlowDown'})", url)
+    if status == 507 or "QuotaExceeded" in text or "InsufficientStorage" in text:
+        return OSError(errno.ENOSPC, f"the store is full or over its quota ({first})", url)
+    lowered = text.lower()
+    if (status is not None and status >= 500) or any(w in lowered for w in _TRANSIENT_WORDS):
+        return OSError(errno.EIO, f"the store's answer failed ({first})", url)
+    return OSError(errno.EINVAL, f"the store refused the request ({first})", url)
+
+
+def _status_of(text: str) -> int | None:
+    match = _STATUS.search(text)
+    if match is None:
+        return None
+    return int(match[1] or match[2])
+
+
+def _info(rel: str, meta: Any) -> ObjectInfo:
+    modified = meta["last_modified"]
+    mtime_ns = int(modified.timestamp()) * 1_000_000_000 + modified.microsecond * 1000
+    etag = meta.get("e_tag") or meta.get("version") or ""
+    return ObjectInfo(rel, int(meta["size"]), str(etag), mtime_ns)
+
+
+def _obstore() -> Any:
+    try:
+        import obstore
+        import obstore.exceptions
+        import obstore.store
+    except ImportError as exc:
+        raise ImportError(
+            "reading s3://, gs:// or az:// needs loaderplug's object store extra: "
+            "pip install 'loaderplug[objectstore]'"
+        ) from exc
+    return obstore
+
+
+def _make_store(module: Any, url: ObjectURL, timeout_s: float, *, retries: int) -> Any:
+    from datetime import timedelta
+
+    client: dict[str, Any] = {
+        "connect_timeout": f"{min(10.0, timeout_s)}s",
+        "read_timeout": f"{timeout_s}s",
+        "timeout": "3600s",  # a whole request: a 64 MiB range at a slow store
+        "pool_max_idle_per_host": "64",
+    }
+    retry = {"max_retries": retries, "retry_timeout": timedelta(seconds=max(timeout_s, 1) * 4)}
+    extra = _certificate()
+    if extra:
+        client["root_certificate"] = extra
+    if url.store == "s3":
+        return _s3_store(module, url, client, retry)
+    if url.store == "gcs":
+        return module.GCSStore(url.bucket, client_options=client, retry_config=retry)
+    return module.AzureStore(url.bucket, client_options=client, retry_config=retry)
+
+
+def _s3_store(module: Any, url: ObjectURL, client: dict[str, Any], retry: dict[str, Any]) -> Any:
+    endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+    config: dict[str, Any] = {}
+    if endpoint:
+        config["endpoint"] = endpoint
+        client["allow_http"] = endpoint.startswith("http://")
+    provider = _profile_credentials()
+    return module.S3Store(
+        url.bucket,
+        config=config,
+        client_options=client,
+        retry_config=retry,
+        credential_provider=provider,
+    )
+
+
+def _profile_credentials() -> Any:
+    """boto3's credential chain where a profile is named (obstore reads no profiles)."""
+    if not os.environ.get("AWS_PROFILE") or os.environ.get("AWS_ACCESS_KEY_ID"):
+        return None
+    try:
+        from obstore.auth.boto3 import Boto3CredentialProvider
+    except ImportError:
+        return None
+    return Boto3CredentialProvider()
+
+
+def _certificate() -> str:
+    for variable in ("AWS_CA_BUNDLE", "SSL_CERT_FILE", "REQUESTS_CA_BUNDLE"):
+        path = os.environ.get(variable)
+        if path and os.path.isfile(path):
+            with open(path) as file:
+                return file.read()
+    return ""
+
+
+_stores: dict[tuple[str, float, tuple[tuple[str, str], ...]], ObjectStore] = {}
+_stores_lock = threading.Lock()
+
+
+def store_for(url: ObjectURL, timeout_s: float) -> ObjectStore:
+    """The client of ``url``'s bucket, one per process (and per environment: a changed
+    credential or endpoint makes a new one)."""
+    seen = tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith(_ENV_PREFIXES)))
+    key = (str(url.root), timeout_s, seen)
+    with _stores_lock:
+        store = _stores.get(key)
+        if store is None:
+            store = _stores[key] = ObjectStore(url, timeout_s)
+        return store
+
+
+_ENV_PREFIXES = ("AWS_", "GOOGLE_", "AZURE_", "SSL_CERT", "REQUESTS_CA")
