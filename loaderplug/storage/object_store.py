@@ -123,7 +123,7 @@ class ObjectStore:
     def put_file(self, key: str, path: str) -> None:
         """Upload ``path`` as ``key``: in parallel parts above one part's size, the
         object appearing whole or not at all (an interrupted upload is aborted)."""
-        with self._errors(key), open(path, "rb") as file:
+        with open(path, "rb") as file, self._errors(key):
             _obstore().put(
                 self._calls,
                 key,
@@ -169,15 +169,10 @@ class _AsOSError:
     def __exit__(
         self, kind: type[BaseException] | None, exc: BaseException | None, tb: Any
     ) -> None:
-        if exc is None or not isinstance(exc, Exception):
-            return
-        if isinstance(exc, (ObjectChanged, OSError)) and not _is_client_error(exc):
+        # Only the client's calls run inside: every error but a Ctrl-C is its.
+        if exc is None or not isinstance(exc, Exception) or isinstance(exc, ObjectChanged):
             return
         raise as_os_error(exc, self.url) from None
-
-
-def _is_client_error(exc: BaseException) -> bool:
-    return type(exc).__module__.startswith("obstore")
 
 
 def as_os_error(exc: BaseException, url: str) -> BaseException:

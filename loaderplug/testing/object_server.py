@@ -135,8 +135,8 @@ class SeaweedS3:
 
     def client(self, who: str = "writer") -> Any:
         """A boto3 S3 client (the tests' own hands on the bucket, not loaderplug's)."""
-        import boto3  # type: ignore[import-untyped]
-        from botocore.config import Config  # type: ignore[import-untyped]
+        import boto3
+        from botocore.config import Config
 
         key, secret = KEYS[who]
         return boto3.client(
