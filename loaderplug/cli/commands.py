@@ -21,6 +21,8 @@ from loaderplug.errors import LoaderplugError, SettingsError
 from loaderplug.jobs.copies import hydrate, sync
 from loaderplug.report import TransferReport, printable
 from loaderplug.settings import BY_FIELD, Settings, from_env
+from loaderplug.storage.object_source import ObjectFiles
+from loaderplug.storage.object_urls import ObjectURL, is_object_url
 from loaderplug.units import MiB, parse_size
 
 EXIT_FAILED = 1
@@ -137,11 +139,7 @@ def _print_report(report: TransferReport, as_json: bool) -> int:
 def _load(args: argparse.Namespace) -> int:
     from loaderplug.tensors.reader import iter_tensors
 
-    paths = [Path(p) for p in args.paths]
-    if args.src:
-        paths = [Path(args.src) / p for p in paths] or sorted(Path(args.src).glob("*.safetensors"))
-    # A folder named as a PATH stands for its safetensors files, as with --from.
-    paths = [f for p in paths for f in (sorted(p.glob("*.safetensors")) if p.is_dir() else [p])]
+    paths = _paths_to_load(args)
     if not paths:
         raise _UsageError("nothing to load: name safetensors files, or a folder with --from")
     count = nbytes = 0
@@ -186,6 +184,26 @@ def _load(args: argparse.Namespace) -> int:
         for path, mode in figures["io"].items():
             print(printable(f"  {path}: {mode}"))
     return 0
+
+
+def _paths_to_load(args: argparse.Namespace) -> list[Path] | list[str]:
+    """The files ``load`` reads: its PATHs (under --from where given), a folder standing
+    for its safetensors files; a bucket's URL as --from, the objects it names or its
+    ``*.safetensors`` objects."""
+    if args.src and is_object_url(args.src):
+        url = ObjectURL.parse(args.src, variable="--from")
+        if args.paths:
+            return [str(url.child(p)) for p in args.paths]
+        found, _ = ObjectFiles(from_env().object_timeout_s).list(url)
+        names = sorted(o.rel for o in found if "/" not in o.rel and o.rel.endswith(".safetensors"))
+        return [str(url.child(name)) for name in names]
+    if any(is_object_url(p) for p in args.paths):
+        return [str(p) for p in args.paths]
+    paths = [Path(p) for p in args.paths]
+    if args.src:
+        paths = [Path(args.src) / p for p in paths] or sorted(Path(args.src).glob("*.safetensors"))
+    # A folder named as a PATH stands for its safetensors files, as with --from.
+    return [f for p in paths for f in (sorted(p.glob("*.safetensors")) if p.is_dir() else [p])]
 
 
 def _bench(args: argparse.Namespace) -> int:

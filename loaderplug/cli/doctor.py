@@ -10,7 +10,11 @@ from loaderplug.plugins.manager import Plugins
 from loaderplug.report import printable
 from loaderplug.settings import REGISTRY, from_env
 from loaderplug.storage.mounts import find_mount
+from loaderplug.storage.object_source import ObjectFiles
+from loaderplug.storage.object_store import describe_client
+from loaderplug.storage.object_urls import ObjectURL, is_object_url
 from loaderplug.tensors.hosts.split import hosts_said
+from loaderplug.units import MiB
 
 
 def doctor(paths: Sequence[str], environ: dict[str, str] | None = None) -> str:
@@ -22,6 +26,9 @@ def doctor(paths: Sequence[str], environ: dict[str, str] | None = None) -> str:
     plugins = Plugins(settings)
     lines = [f"warning: {w.message}" for w in said]
     for path in paths:
+        if is_object_url(path):
+            lines.append(printable(_object_line(path, settings.object_timeout_s)))
+            continue
         policy = plugins.io_policy(path)
         mount = find_mount(path)
         where = f" on {mount.mount_point} ({mount.source})" if mount else ""
@@ -35,3 +42,19 @@ def doctor(paths: Sequence[str], environ: dict[str, str] | None = None) -> str:
         shown = var.env_form(getattr(settings, var.field))
         lines.append(f"  {var.name}={shown}  ({settings.origins.get(var.field, 'default')})")
     return "\n".join(lines)
+
+
+def _object_line(text: str, timeout_s: float) -> str:
+    """How a bucket's URL would be read, and whether it answers (one listing)."""
+    url = ObjectURL.parse(text, variable="PATH")
+    head = f"{url}: {url.store} object store, {describe_client(url)}"
+    try:
+        found, refused = ObjectFiles(timeout_s).list(url)
+    except OSError as exc:
+        return f"{head}: not readable: {exc.strerror or exc}"
+    size = sum(o.size for o in found)
+    skipped = f", {len(refused)} keys refused" if refused else ""
+    return (
+        f"{head}: ranged GETs, each checked against the listed ETag; "
+        f"{len(found)} objects, {size / MiB:.1f} MiB{skipped}"
+    )

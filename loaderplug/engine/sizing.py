@@ -19,6 +19,10 @@ RANGES_PER_WORKER = 8
 MAX_DERIVED_CHUNK = 64 * MiB
 # Nor shorter than this for a small job, where per-request overhead starts to dominate.
 MIN_FITTED_CHUNK = 4 * MiB
+# Nor shorter than this from an object store, where each range is a request: 8 MiB
+# ranges streamed read 594 MiB/s, 64 MiB ones 1040 MiB/s, from one local SeaweedFS
+# (docs/benchmarks.md, "Object store clients").
+MIN_REQUEST_CHUNK = 16 * MiB
 # Ranges stay a multiple of this, so O_DIRECT offsets stay aligned.
 CHUNK_ALIGNMENT = 4 * KiB
 
@@ -112,7 +116,13 @@ def default_sizing(settings: SizingSettings) -> Sizing:
     return Sizing(chunk, workers_for_chunk(settings, chunk), is_adaptive(settings))
 
 
-def size_job(settings: SizingSettings, total_bytes: int, *, network: bool) -> Sizing:
-    """The range size and reader count for a job of ``total_bytes``."""
+def size_job(
+    settings: SizingSettings, total_bytes: int, *, network: bool, requests: bool = False
+) -> Sizing:
+    """The range size and reader count for a job of ``total_bytes``; ``requests``: each
+    range is a request to an object store, whose answer time is paid per range: a
+    derived range is then no shorter than :data:`MIN_REQUEST_CHUNK`."""
     chunk = chunk_for_job(settings, total_bytes, network=network)
+    if requests and settings.span_bytes is None:
+        chunk = max(chunk, min(MIN_REQUEST_CHUNK, chunk_for_source(settings)))
     return Sizing(chunk, workers_for_chunk(settings, chunk), is_adaptive(settings))

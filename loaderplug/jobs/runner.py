@@ -378,7 +378,8 @@ def _engine_for(
     # Whether any source is on a network filesystem: auto splits the budget for many
     # readers there, for few long ranges on a local disk.
     network = any(is_network_type(t.policy.fs_type) for t in tasks)
-    sizing = size_job(settings, total, network=network)
+    objects = any(t.policy.object_store for t in tasks)
+    sizing = size_job(settings, total, network=network, requests=objects)
     threshold = settings.split_threshold_bytes
     spans = sum(count_spans(t.size, sizing.chunk, threshold) for t in tasks)
     readers = max(1, min(sizing.workers, spans))

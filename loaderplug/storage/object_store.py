@@ -304,3 +304,37 @@ def store_for(url: ObjectURL, timeout_s: float) -> ObjectStore:
 
 
 _ENV_PREFIXES = ("AWS_", "GOOGLE_", "AZURE_", "SSL_CERT", "REQUESTS_CA")
+
+
+def describe_client(url: ObjectURL) -> str:
+    """Where ``url``'s requests go and with which credentials, by the variables' names
+    (never their values): for ``doctor``."""
+    if url.store == "s3":
+        endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+        where = f"endpoint {redact(endpoint)}, path-style" if endpoint else "AWS's endpoint"
+        if os.environ.get("AWS_SKIP_SIGNATURE", "").lower() in ("1", "true"):
+            who = "unsigned (AWS_SKIP_SIGNATURE)"
+        elif os.environ.get("AWS_ACCESS_KEY_ID"):
+            token = " and AWS_SESSION_TOKEN" if os.environ.get("AWS_SESSION_TOKEN") else ""
+            who = f"AWS_ACCESS_KEY_ID{token} from the environment"
+        elif os.environ.get("AWS_WEB_IDENTITY_TOKEN_FILE"):
+            who = "web identity (AWS_ROLE_ARN, AWS_WEB_IDENTITY_TOKEN_FILE)"
+        elif os.environ.get("AWS_PROFILE"):
+            who = f"profile {os.environ['AWS_PROFILE']} (boto3's chain)"
+        else:
+            who = "container or instance credentials"
+        return f"{where}; credentials: {who}"
+    if url.store == "gcs":
+        who = (
+            "GOOGLE_APPLICATION_CREDENTIALS"
+            if os.environ.get("GOOGLE_APPLICATION_CREDENTIALS")
+            else "application default credentials"
+        )
+        return f"credentials: {who}"
+    who = (
+        "AZURE_STORAGE_ACCOUNT_KEY"
+        if os.environ.get("AZURE_STORAGE_ACCOUNT_KEY")
+        else "Azure's default credential"
+    )
+    account = os.environ.get("AZURE_STORAGE_ACCOUNT_NAME", "(AZURE_STORAGE_ACCOUNT_NAME unset)")
+    return f"account {account}; credentials: {who}"

@@ -98,6 +98,9 @@ class SeaweedS3:
             "-s3", f"-s3.port={self.s3_port}", f"-s3.config={config}",
             f"-master.volumeSizeLimitMB={self.volume_size_mb}",
             f"-volume.max={self.max_volumes}",
+            # Off: they listen on fixed ports, so two servers would collide; and no
+            # statistics sent out.
+            "-s3.port.iceberg=0", "-s3.port.lance=0", "-master.telemetry=false",
         ]  # fmt: skip
         with open(self._log, "ab") as log:
             self._process = subprocess.Popen(
