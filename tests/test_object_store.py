@@ -290,3 +290,28 @@ def test_a_read_of_an_object_fails_the_file_not_the_process(
     proxy.faults.clear()
     assert loaderplug.hydrate(url, tmp_path / "local", **OBJECT_FAST).ok
     assert same_tree(folder, tmp_path / "local")
+
+
+@pytest.mark.parametrize("one_pass", [False, True], ids=["stream", "one-pass"])
+def test_ranks_of_a_host_read_each_object_once_and_every_rank_gets_every_tensor(
+    uploaded: tuple[Path, str], proxy: ObjectProxy, tmp_path: Path, one_pass: bool
+) -> None:
+    pytest.importorskip("torch")
+    from tests.helpers.ranks import expected, run_ranks
+
+    folder, url = uploaded
+    shards = sorted(folder.glob("*.safetensors"))
+    env = {**{k: os.environ[k] for k in os.environ if k.startswith("AWS_")}}
+    if one_pass:
+        env["RANK_LOCAL_DIR"] = str(tmp_path / "local")
+    outs, _ = run_ranks(tmp_path, [f"{url}/{p.name}" for p in shards], 2, env=env)
+    want = expected(shards)
+    for out in outs:
+        assert out.get("error") is None, out
+        assert out["tensors"] == want
+    model_bytes = sum(p.stat().st_size for p in shards)
+    # Each object read once by the host (headers aside), whichever rank reads it.
+    assert model_bytes <= proxy.body_bytes <= model_bytes + 64 * 1024 * len(shards)
+    if one_pass:
+        for p in shards:
+            assert filecmp.cmp(p, tmp_path / "local" / p.name, shallow=False)

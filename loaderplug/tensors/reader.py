@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from loaderplug.jobs.runner import Runner
 from loaderplug.settings import Settings, from_env
+from loaderplug.storage.object_urls import is_object_url
 from loaderplug.tensors.delivery.load import Load, Pairs, RunnerPairs
 from loaderplug.tensors.delivery.plan import load_plan
 from loaderplug.tensors.device.path import device_path_for, within_device_budget
@@ -90,8 +91,10 @@ def _start(
     settings = within_device_budget(path, job_settings)
     world = world_of(group, settings, local_dir)
     share = share_for(world, settings)
+    # Objects in a store: every host reads the store itself (its reads are not split).
+    objects = any(is_object_url(p) for p in paths)
     try:
-        split = split_across_hosts(paths, local_dir, world, share, settings)
+        split = None if objects else split_across_hosts(paths, local_dir, world, share, settings)
     except BaseException:
         if share is not None:
             free_groups([share.group])

@@ -61,6 +61,7 @@ class ObjectProxy:
         self.bytes_per_s, self.latency_s = bytes_per_s, latency_s
         self.faults: list[Fault] = []
         self.requests: list[tuple[str, str, str]] = []  # method, path, Range
+        self.body_bytes = 0  # bytes of answers' bodies passed on
         self._lock = threading.Lock()
         self._release = threading.Event()
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), _handler_for(self))
@@ -157,6 +158,8 @@ def _handler_for(proxy: ObjectProxy) -> type[BaseHTTPRequestHandler]:
                     return
                 self.wfile.write(chunk)
                 sent += len(chunk)
+                with proxy._lock:
+                    proxy.body_bytes += len(chunk)
                 if proxy.bytes_per_s:
                     ahead = sent / proxy.bytes_per_s - (time.monotonic() - started)
                     if ahead > 0:

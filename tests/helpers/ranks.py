@@ -43,7 +43,7 @@ def expected(files: list[Path]) -> dict[str, list[Any]]:
 
 def run_ranks(
     tmp_path: Path,
-    files: list[Path],
+    files: list[Path] | list[str],
     world: int,
     env: dict[str, str] | None = None,
     per_rank: dict[int, dict[str, str]] | None = None,

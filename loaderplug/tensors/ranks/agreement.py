@@ -13,10 +13,9 @@ header digest where they decide whether to split the reads
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from pathlib import Path
 
 from loaderplug.errors import LoaderplugError
-from loaderplug.tensors.ranks.files import FileKey, describe, on_this_host
+from loaderplug.tensors.ranks.files import FileKey, LoadPath, describe, name_of, on_this_host
 from loaderplug.tensors.ranks.mode import SharingMode
 from loaderplug.tensors.ranks.steps import Steps
 
@@ -31,9 +30,9 @@ def agreed_mode(steps: Steps, mode: SharingMode) -> SharingMode:
 
 def same_files(
     steps: Steps,
-    files: Sequence[Path],
+    files: Sequence[LoadPath],
     who: str = "rank",
-    identify: Callable[[Path], FileKey] | None = on_this_host,
+    identify: Callable[[LoadPath], FileKey] | None = on_this_host,
 ) -> list[FileKey]:
     """Check that every member of ``steps`` loads the same files: of the same names and,
     by ``identify`` (None: by name only), the same files under each name; if not, raise
@@ -45,7 +44,7 @@ def same_files(
         keys = [identify(path) if identify is not None else () for path in files]
     except LoaderplugError as exc:
         steps.fail(exc)
-    said = steps.exchange(("files", [(p.name, k) for p, k in zip(files, keys, strict=True)]))
+    said = steps.exchange(("files", [(name_of(p), k) for p, k in zip(files, keys, strict=True)]))
     lists = [step[1] if step is not None else [] for step in said]
     ranks = steps.share.global_ranks
     names = [[name for name, _ in listed] for listed in lists]

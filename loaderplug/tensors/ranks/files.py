@@ -18,28 +18,58 @@ import hashlib
 import os
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TypeVar
 
 from loaderplug.errors import LoaderplugError
+from loaderplug.settings import from_env
 from loaderplug.storage.held import HeldFile
 from loaderplug.storage.mounts import filesystem_type, is_fuse_type
+from loaderplug.storage.object_store import store_for
+from loaderplug.storage.object_urls import ObjectURL, is_object_url
 from loaderplug.tensors.format.header import LENGTH_BYTES, header_length
 from loaderplug.types import Identity
 
 # What a member says a file is: comparable with ==, and readable in an error.
 FileKey = tuple[int, ...] | tuple[int, str]
+# A file of a load: a path, or an object's URL (a str).
+LoadPath = Path | str
+P = TypeVar("P", Path, LoadPath)
 
 
-def by_name(files: Sequence[Path]) -> list[Path]:
+def load_paths(paths: Sequence[str | os.PathLike[str]]) -> list[LoadPath]:
+    """``paths`` as a load's files: an object's URL kept as it is, a path as a Path."""
+    return [p if isinstance(p, str) and is_object_url(p) else Path(p) for p in paths]
+
+
+def name_of(path: LoadPath) -> str:
+    """The file's name (an object's, the last part of its key)."""
+    return path.name if isinstance(path, Path) else ObjectURL.parse(path).name
+
+
+def by_name(files: Sequence[P]) -> list[P]:
     """``files`` in the order every rank agrees on, whatever order each was given them
     in: by name (a file's name is also its name in a local copy)."""
-    return sorted(files, key=lambda path: (path.name, str(path)))
+    return sorted(files, key=lambda path: (name_of(path), str(path)))
 
 
-def on_this_host(path: Path) -> FileKey:
+def on_this_host(path: LoadPath) -> FileKey:
     """A file as ranks of one host tell it: device, inode, size, mtime and ctime; on a
     FUSE mount, whose inode numbers change as the kernel forgets inodes (see
-    :attr:`~loaderplug.types.IOPolicy.stable_inodes`), device, size and mtime."""
+    :attr:`~loaderplug.types.IOPolicy.stable_inodes`), device, size and mtime. An
+    object: its size and ETag."""
+    if isinstance(path, str):
+        return object_key(path)
     return _key(Identity.of(_stat(path)), stable_inodes=not is_fuse_type(filesystem_type(path)))
+
+
+def object_key(url: str) -> FileKey:
+    """An object as every rank tells it: its size and ETag (one HEAD)."""
+    where = ObjectURL.parse(url)
+    try:
+        info = store_for(where, from_env().object_timeout_s).head(where.prefix)
+    except OSError as exc:
+        raise LoaderplugError(f"{url}: cannot read it: {exc.strerror or exc}") from exc
+    return (info.size, f"ETag {info.etag}")
 
 
 def _key(i: Identity, *, stable_inodes: bool) -> FileKey:
@@ -78,6 +108,8 @@ def across_hosts(path: Path) -> FileKey:
 
 
 def describe(key: FileKey) -> str:
+    if len(key) == 2 and str(key[1]).startswith("ETag"):
+        return f"size {key[0]}, {key[1]}"
     if len(key) == 2:
         return f"size {key[0]}, header sha256 {str(key[1])[:12]}"
     device, inode, size, mtime_ns, ctime_ns = key

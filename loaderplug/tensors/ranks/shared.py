@@ -56,7 +56,7 @@ from loaderplug.tensors.device.path import DevicePath
 from loaderplug.tensors.ranks.agreement import agreed_mode, same_files
 from loaderplug.tensors.ranks.batches import STREAM_BATCH, LandedBatches
 from loaderplug.tensors.ranks.broadcast import by_broadcast, data_group
-from loaderplug.tensors.ranks.files import FileKey, by_name
+from loaderplug.tensors.ranks.files import FileKey, LoadPath, by_name, load_paths, object_key
 from loaderplug.tensors.ranks.mode import SharingMode, owners, rank_part, sharing_mode
 from loaderplug.tensors.ranks.pagecache import by_page_cache
 from loaderplug.tensors.ranks.steps import SharedPairs, Steps
@@ -147,7 +147,7 @@ def _shared_pairs(
     load: Load,
     split: HostPart | None,
 ) -> SharedPairs:
-    files = by_name([Path(p) for p in paths])  # who owns which file: the same on every rank
+    files = by_name(load_paths(paths))  # who owns which file: the same on every rank
     local = Path(local_dir) if local_dir is not None else None
     # LOADERPLUG_BYTES_IN_FLIGHT bounds the host: the ranks sharing its load divide it.
     # (Where the hosts split the reads, the host's leading rank reads every file: its
@@ -193,7 +193,7 @@ def _shared_pairs(
 
 
 def _own_load(
-    mine: list[Path],
+    mine: list[LoadPath],
     device: DevicePath,
     settings: Settings,
     local: Path | None,
@@ -225,7 +225,7 @@ def _pairs(
     runner: Runner,
     delivery: TensorDelivery,
     steps: Steps,
-    files: list[Path],
+    load_files: list[LoadPath],
     agreed: list[FileKey],
     local: Path | None,
     device: DevicePath,
@@ -233,17 +233,20 @@ def _pairs(
 ) -> SharedPairs:
     """Every tensor of the load on this rank, shared as ``mode`` says (``agreed``: the
     files as the ranks agreed on them)."""
+    if mode == "broadcast":
+        return by_broadcast(runner, steps, device, group)
+    # Only files are mapped (see _mode): objects are broadcast.
+    files = [f for f in load_files if isinstance(f, Path)]
+    assert len(files) == len(load_files)
     if mode == "pagecache":
         if local is None:
             return by_page_cache(runner, steps, files, files, device, agreed)
         final = [local / f.name for f in files]
         return by_page_cache(runner, steps, files, final, device, None)
-    if mode == "stream":
-        return by_stream(runner, steps, files, agreed, local, delivery, device)
-    return by_broadcast(runner, steps, device, group)
+    return by_stream(runner, steps, files, agreed, local, delivery, device)
 
 
-def _owners(files: list[Path], steps: Steps, split: HostPart | None) -> list[int]:
+def _owners(files: list[LoadPath], steps: Steps, split: HostPart | None) -> list[int]:
     """Which rank of the host reads each file: balanced by bytes, or, where the hosts
     split the reads, the host's leading rank every one (its load reads the exchange)."""
     if split is not None and split.leader_owns_all:
@@ -252,17 +255,21 @@ def _owners(files: list[Path], steps: Steps, split: HostPart | None) -> list[int
 
 
 def _mode(
-    files: list[Path],
+    files: list[LoadPath],
     device: DevicePath,
     local: Path | None,
     settings: Settings,
     split: HostPart | None,
 ) -> SharingMode:
     """How the tensors reach the host's other ranks: streaming with the hosts splitting
-    the reads, by broadcast (mapping the mirror's file would read it again)."""
+    the reads, by broadcast (mapping the mirror's file would read it again); objects in
+    a store, by broadcast (nothing to map)."""
     if split is not None and split.leader_owns_all and local is None:
         return "broadcast"
-    return sharing_mode(files, device.device, local, settings)
+    paths = [f for f in files if isinstance(f, Path)]
+    if len(paths) < len(files):
+        return "broadcast"
+    return sharing_mode(paths, device.device, local, settings)
 
 
 def _tell_the_host(steps: Steps, split: HostPart) -> None:
@@ -275,7 +282,7 @@ def _tell_the_host(steps: Steps, split: HostPart) -> None:
         split.adopt(said[0][1])
 
 
-def _sizes(files: list[Path], steps: Steps) -> list[int]:
+def _sizes(files: list[LoadPath], steps: Steps) -> list[int]:
     """Each file's size; a file that cannot be looked at fails the load on every rank."""
     try:
         return [_size(p) for p in files]
@@ -283,7 +290,9 @@ def _sizes(files: list[Path], steps: Steps) -> list[int]:
         steps.fail(exc)
 
 
-def _size(path: Path) -> int:
+def _size(path: LoadPath) -> int:
+    if isinstance(path, str):
+        return int(object_key(path)[0])
     try:
         return os.stat(path).st_size
     except OSError as exc:
