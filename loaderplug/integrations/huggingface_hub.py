@@ -64,6 +64,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import logging
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -85,6 +86,7 @@ except ImportError as exc:  # pragma: no cover - the message is the point
         "pip install 'loaderplug[hf]'"
     ) from exc
 
+from loaderplug.integrations.hub import bucket as hub_bucket
 from loaderplug.integrations.hub import commits as hub_commits
 from loaderplug.integrations.hub import fill as hub_fill
 from loaderplug.integrations.hub import install as hub_install
@@ -100,6 +102,9 @@ from loaderplug.integrations.hub.calls import (
 )
 from loaderplug.integrations.hub.commits import offline as _offline
 from loaderplug.integrations.hub.notices import cause, failed
+from loaderplug.storage.object_urls import ObjectURL, is_object_url
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "WEIGHT_PATTERNS",
@@ -216,6 +221,9 @@ def _download(call: Call) -> Any:
     if options.get("dry_run") or options.get("force_download"):
         hub_serve.say_bypassed(options)
         return call.run_original()
+    bucket = _bucket_mirror()
+    if bucket is not None:
+        return _from_bucket(bucket, call)
     mirror: Path | None = None
     commit: str | None = None
     served: str | None = None
@@ -265,6 +273,33 @@ def _download(call: Call) -> Any:
                 cause(exc),
             )
     return result
+
+
+def _bucket_mirror() -> ObjectURL | None:
+    """The bucket LOADERPLUG_MIRROR names, or None (a volume, or no mirror)."""
+    try:
+        mirror = from_env().mirror
+    except Exception:  # a bad setting is said where the volume mirror is looked for
+        return None
+    if not mirror or not is_object_url(mirror):
+        return None
+    return ObjectURL.parse(mirror, variable="LOADERPLUG_MIRROR")
+
+
+def _from_bucket(bucket: ObjectURL, call: Call) -> Any:
+    """A download served from the bucket where it holds the whole call, else the
+    original's; a bucket out of reach or refusing never fails the call."""
+    try:
+        served = hub_bucket.from_bucket(bucket, call, from_env())
+    except Exception as exc:
+        log.warning(
+            "loaderplug: the bucket %s could not serve %s (%s); downloading it instead",
+            bucket,
+            call.options["repo_id"],
+            cause(exc),
+        )
+        served = None
+    return served if served is not None else call.run_original()
 
 
 def _keep_local_ref(options: dict[str, Any], commit: str, settings: Settings) -> None:

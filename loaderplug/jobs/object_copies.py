@@ -28,20 +28,23 @@ from pathlib import Path
 from types import TracebackType
 
 from loaderplug.errors import MirrorError
+from loaderplug.jobs.file_sink import temps_of
 from loaderplug.jobs.locks import folder_lock
 from loaderplug.jobs.model_folder import (
     MANIFEST_NAME,
     SYNC_MARK_NAME,
     is_own_name,
+    path_problem,
     temp_files,
     walk,
 )
-from loaderplug.jobs.plan import FileEntry, Listing, Plan
+from loaderplug.jobs.plan import Expect, FileEntry, Listing, Plan
+from loaderplug.jobs.runner import run
 from loaderplug.report import TransferReport
 from loaderplug.settings import Settings
 from loaderplug.storage.object_source import ObjectFiles, object_policy
 from loaderplug.storage.object_store import ObjectInfo, ObjectStore, store_for
-from loaderplug.storage.object_urls import ObjectURL
+from loaderplug.storage.object_urls import ObjectURL, key_problem
 from loaderplug.types import FileResult, Identity
 
 MANIFEST_VERSION = 1
@@ -241,3 +244,54 @@ class ObjectSyncMark:
             return
         if held == self.token:
             self.store.delete(self.key)
+
+
+# -- chosen objects ---------------------------------------------------------------------
+
+
+def select_objects(
+    job: str,
+    source: ObjectURL,
+    dst: Path,
+    files: dict[str, str],
+    symlinks: dict[str, str],
+    settings: Settings,
+    *,
+    expect: Expect | None = None,
+    lock_in: str = "",
+) -> TransferReport:
+    """:func:`loaderplug.jobs.copies.select` with a bucket as the source: ``files`` maps
+    each destination path to the key of its object under ``source`` (both relative)."""
+    objects = ObjectFiles(settings.object_timeout_s)
+
+    def list_files() -> Listing:
+        chosen = Listing(symlinks=dict(symlinks))
+        for rel, origin in sorted(files.items()):
+            problem = path_problem(rel) or key_problem(origin)
+            if problem:
+                chosen.refused[rel] = problem
+                continue
+            try:
+                info = objects.head(source.child(origin))
+            except OSError as exc:
+                chosen.refused[rel] = f"cannot read {origin} in the bucket: {exc.strerror or exc}"
+                continue
+            chosen.files.append(
+                FileEntry(rel, str(source.child(origin)), info.identity(), dst / rel)
+            )
+        parents = {posixpath.dirname(r) for r in [*files, *symlinks]}
+        chosen.dirs = sorted(_with_ancestors(p for p in parents if p))
+        return chosen
+
+    plan = Plan(
+        job=job,
+        source=str(source),
+        destination=dst,
+        list_files=list_files,
+        locks=(folder_lock(dst / lock_in),),
+        leftovers=lambda: [t for rel in files for t in temps_of(dst / rel)],
+        expect=expect,
+        open_source=objects,
+        source_policy=object_policy(source),
+    )
+    return run(plan, settings)
