@@ -16,7 +16,13 @@ from collections.abc import Iterator
 from typing import Any
 
 from loaderplug.errors import FileError
-from loaderplug.storage.object_store import ObjectChanged, ObjectInfo, ObjectStore, store_for
+from loaderplug.storage.object_store import (
+    ObjectChanged,
+    ObjectInfo,
+    ObjectStore,
+    copy_into,
+    store_for,
+)
 from loaderplug.storage.object_urls import ObjectURL, key_problem
 from loaderplug.types import Identity, IOPolicy
 
@@ -132,7 +138,7 @@ class ObjectSource:
                     break
                 self._left = memoryview(chunk).cast("B")
             take = min(len(self._left), len(buf) - done)
-            buf[done : done + take] = self._left[:take]
+            copy_into(buf[done : done + take], self._left[:take])
             self._left = self._left[take:]
             done += take
         self._at += done
