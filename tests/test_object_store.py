@@ -8,6 +8,8 @@ from __future__ import annotations
 import errno
 import filecmp
 import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -15,6 +17,7 @@ import pytest
 
 import loaderplug
 from loaderplug.errors import MirrorError, SettingsError, TransferFailed
+from loaderplug.jobs.partial import JOURNAL_SUFFIX
 from loaderplug.storage.object_store import ObjectInfo, ObjectStore
 from loaderplug.testing.model import write_model
 from loaderplug.testing.object_proxy import Fault, ObjectProxy
@@ -268,3 +271,62 @@ def test_ranks_of_a_host_read_each_object_once_and_every_rank_gets_every_tensor(
     if one_pass:
         for p in shards:
             assert filecmp.cmp(p, tmp_path / "local" / p.name, shallow=False)
+
+
+def test_a_sync_the_store_refuses_leaves_no_partial_object_and_a_rerun_completes(
+    s3: SeaweedS3, proxy: ObjectProxy, tmp_path: Path
+) -> None:
+    folder = tmp_path / "model"
+    write_model(folder, 40 << 20, 2)  # shards above one part: multipart uploads
+    url = f"s3://{BUCKET}/{fresh_prefix()}"
+    proxy.add(Fault("slowdown", key="uploadId", method="PUT", ranged=False, times=10**6))
+    report = loaderplug.sync(folder, url, check=False, **OBJECT_FAST)
+    assert sorted(r.path for r in report.failed) == sorted(
+        p.name for p in folder.glob("*.safetensors")
+    )
+    assert all("slow down" in r.reason for r in report.failed)
+    client = s3.client()
+    keys = [o["Key"] for o in client.list_objects_v2(Bucket=BUCKET, Prefix=key_of(url))["Contents"]]
+    assert not any(k.endswith(".safetensors") for k in keys)  # nothing half written
+    assert client.list_multipart_uploads(Bucket=BUCKET, Prefix=key_of(url)).get("Uploads", []) == []
+    # The hydrate refuses what the manifest says failed; the next sync completes it.
+    hydrated = loaderplug.hydrate(url, tmp_path / "h1", check=False, **OBJECT_FAST)
+    assert {r.path for r in hydrated.failed} == {r.path for r in report.failed}
+    proxy.faults.clear()
+    assert loaderplug.sync(folder, url, **OBJECT_FAST).ok
+    loaderplug.hydrate(url, tmp_path / "h2", **OBJECT_FAST)
+    assert tree_bytes(tmp_path / "h2") == tree_bytes(folder)
+
+
+def journaled_spans(folder: Path) -> int:
+    """Spans the journals under ``folder`` say landed (their lines past the header)."""
+    return sum(len(j.read_text().splitlines()) - 1 for j in folder.glob(f".*{JOURNAL_SUFFIX}"))
+
+
+def test_a_killed_hydrate_resumes_from_what_landed(
+    s3: SeaweedS3, proxy: ObjectProxy, tmp_path: Path
+) -> None:
+    folder = tmp_path / "model"
+    write_model(folder, 8 << 20, 1)
+    url = upload(s3, folder, fresh_prefix())
+    (shard,) = folder.glob("*.safetensors")
+    # The shard's first span lands; every later one hangs until the process is killed.
+    proxy.add(Fault("hang", key=shard.name, skip=1, times=10**6, hang_s=120))
+    env = {**os.environ, "LOADERPLUG_SPAN_BYTES": "1M", "LOADERPLUG_READERS": "2"}
+    env["LOADERPLUG_SPLIT_THRESHOLD_BYTES"] = "2M"
+    code = f"import loaderplug; loaderplug.hydrate({url!r}, {str(tmp_path / 'local')!r})"
+    child = subprocess.Popen([sys.executable, "-c", code], env=env)
+    try:
+        deadline = time.monotonic() + 60
+        while not journaled_spans(tmp_path / "local") and time.monotonic() < deadline:
+            time.sleep(0.1)
+    finally:
+        child.kill()
+        child.wait()
+    proxy.faults.clear()
+    before = proxy.body_bytes
+    report = loaderplug.hydrate(url, tmp_path / "local", **OBJECT_FAST)
+    assert report.ok and tree_bytes(tmp_path / "local") == tree_bytes(folder)
+    # Only what had not landed was read again (and the listing's few KiB of XML).
+    model_bytes = sum(len(b) for b in tree_bytes(folder).values())
+    assert proxy.body_bytes - before <= model_bytes - (1 << 20) + 64 * 1024

@@ -75,7 +75,11 @@ def _listing(objects: ObjectFiles, url: ObjectURL, dst: Path) -> Listing:
     if not by_rel and manifest is None:
         raise FileNotFoundError(2, "no objects under this prefix", str(url))
     if manifest is not None:
-        _keep_manifest_files(by_rel, manifest, listing)
+        files, incomplete = manifest
+        _keep_manifest_files(by_rel, files, listing)
+        for rel, why in incomplete.items():
+            by_rel.pop(rel, None)
+            listing.refused[rel] = f"the sync that wrote the mirror could not copy it ({why})"
     for rel, info in sorted(by_rel.items()):
         listing.files.append(FileEntry(rel, str(url.child(rel)), info.identity(), dst / rel))
     parents = {posixpath.dirname(rel) for rel in by_rel}
@@ -116,22 +120,27 @@ def _is_own(rel: str) -> bool:
     return any(is_own_name(part) for part in rel.split("/"))
 
 
-def read_manifest(store: ObjectStore, url: ObjectURL) -> dict[str, dict[str, object]] | None:
-    """The files the bucket's manifest names (None: it has none)."""
+def read_manifest(
+    store: ObjectStore, url: ObjectURL
+) -> tuple[dict[str, dict[str, object]], dict[str, str]] | None:
+    """The files the bucket's manifest names, and those its sync could not copy, with
+    why (None: it has none)."""
     try:
         raw = store.get_bytes(url.key(MANIFEST_NAME))
     except FileNotFoundError:
         return None
     try:
         data = json.loads(raw)
-        files = data["files"]
+        files, incomplete = data["files"], data.get("incomplete", {})
         if data.get("version") != MANIFEST_VERSION or not isinstance(files, dict):
             raise ValueError("unknown version")
+        if not isinstance(incomplete, dict):
+            raise ValueError("its incomplete files are not a mapping")
     except (ValueError, KeyError, TypeError) as exc:
         raise MirrorError(
             f"{url.child(MANIFEST_NAME)} cannot be read ({exc}); run a sync to rewrite it"
         ) from exc
-    return files
+    return files, {str(k): str(v) for k, v in incomplete.items()}
 
 
 # -- sync ---------------------------------------------------------------------------

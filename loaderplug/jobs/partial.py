@@ -77,7 +77,13 @@ def is_partial_name(name: str) -> bool:
 
 
 def _header(identity: Identity) -> str:
-    fields = {"size": identity.size, "mtime_ns": identity.mtime_ns, "inode": identity.inode}
+    fields: dict[str, object] = {
+        "size": identity.size,
+        "mtime_ns": identity.mtime_ns,
+        "inode": identity.inode,
+    }
+    if identity.etag:  # an object's version
+        fields["etag"] = identity.etag
     return json.dumps(fields) + "\n"
 
 

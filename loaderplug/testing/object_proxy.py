@@ -42,15 +42,15 @@ class Fault:
     ranged: bool = True
     hang_s: float = 60.0
     callback: Callable[[], None] | None = None
+    skip: int = 0  # matching requests let through before the fault takes any
     hits: int = 0
+    seen: int = 0
 
     def takes(self, method: str, path: str, has_range: bool) -> bool:
-        return (
-            self.hits < self.times
-            and method == self.method
-            and self.key in path
-            and (has_range or not self.ranged)
-        )
+        if not (method == self.method and self.key in path and (has_range or not self.ranged)):
+            return False
+        self.seen += 1
+        return self.seen > self.skip and self.hits < self.times
 
 
 class ObjectProxy:
@@ -66,6 +66,8 @@ class ObjectProxy:
         self._release = threading.Event()
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), _handler_for(self))
         self._server.daemon_threads = True
+        # A client that hangs up on a fault's answer (a reset, a timeout) is expected.
+        self._server.handle_error = lambda request, client_address: None  # type: ignore[method-assign]
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
 
     @property
