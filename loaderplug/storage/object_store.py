@@ -134,7 +134,7 @@ class ObjectStore:
         :class:`ObjectChanged` where the object is no longer version ``etag``."""
         options: dict[str, Any] = {"range": (offset, offset + length)}
         if etag:
-            options["if_match"] = etag
+            options["if_match"] = f'"{etag}"'
         ob = _obstore()
         with self._errors(key):
             result = ob.get(self._reads, key, options=options)
@@ -234,8 +234,10 @@ def _status_of(text: str) -> int | None:
 def _info(rel: str, meta: Any) -> ObjectInfo:
     modified = meta["last_modified"]
     mtime_ns = int(modified.timestamp()) * 1_000_000_000 + modified.microsecond * 1000
-    etag = meta.get("e_tag") or meta.get("version") or ""
-    return ObjectInfo(rel, int(meta["size"]), str(etag), mtime_ns)
+    # One spelling for every call: a store may quote an ETag in one answer (a HEAD's
+    # header) and not in another (a listing's XML), as Azure does.
+    etag = str(meta.get("e_tag") or meta.get("version") or "").removeprefix("W/").strip('"')
+    return ObjectInfo(rel, int(meta["size"]), etag, mtime_ns)
 
 
 def _obstore() -> Any:

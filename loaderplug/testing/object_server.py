@@ -221,3 +221,84 @@ def seaweed_s3(root: Path, **kwargs: int) -> Iterator[SeaweedS3]:
         yield server
     finally:
         server.stop()
+
+
+# Azurite's well-known development account (public: Azure's documentation prints it).
+AZURITE_ACCOUNT = "devstoreaccount1"
+AZURITE_KEY = (
+    "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw=="
+)
+
+
+def azurite_binary() -> str | None:
+    """The ``azurite-blob`` executable (npm's azurite), or None."""
+    return shutil.which("azurite-blob")
+
+
+class Azurite:
+    """Azure's blob emulator (``azurite-blob``) on a loopback port, its data under ``root``."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.port = 0
+        self._process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def env(self) -> dict[str, str]:
+        """The environment a client needs to reach the emulator (its account's key is
+        the emulator's published one)."""
+        return {
+            "AZURE_STORAGE_USE_EMULATOR": "true",
+            "AZURITE_BLOB_STORAGE_URL": self.endpoint,
+            "AZURE_STORAGE_ACCOUNT_NAME": AZURITE_ACCOUNT,
+        }
+
+    def start(self) -> Azurite:
+        binary = azurite_binary()
+        if binary is None:
+            raise RuntimeError("azurite-blob not found: npm install -g azurite")
+        self.root.mkdir(parents=True, exist_ok=True)
+        (self.port,) = free_port_pairs(1)
+        argv = [
+            binary, "--blobHost", "127.0.0.1", "--blobPort", str(self.port),
+            "--location", str(self.root), "--silent", "--skipApiVersionCheck", "--loose",
+        ]  # fmt: skip
+        with open(self.root / "azurite.log", "ab") as log:
+            self._process = subprocess.Popen(
+                argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            try:
+                self.make_container("probe")
+                return self
+            except Exception:
+                time.sleep(0.25)
+        self.stop()
+        raise RuntimeError(f"Azurite did not start in {START_TIMEOUT_S:.0f} s")
+
+    def client(self) -> Any:
+        """An azure-storage-blob service client (the tests' own hands on the account)."""
+        from azure.storage.blob import BlobServiceClient
+
+        return BlobServiceClient.from_connection_string(
+            f"DefaultEndpointsProtocol=http;AccountName={AZURITE_ACCOUNT};"
+            f"AccountKey={AZURITE_KEY};BlobEndpoint={self.endpoint}/{AZURITE_ACCOUNT};"
+        )
+
+    def make_container(self, name: str) -> None:
+        with contextlib.suppress(Exception):
+            if self.client().get_container_client(name).exists():
+                return
+        self.client().create_container(name)
+
+    def stop(self) -> None:
+        process, self._process = self._process, None
+        if process is None or process.poll() is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
