@@ -10,8 +10,9 @@ from __future__ import annotations
 TERMS: dict[str, str] = {
     "volume": "A network filesystem mounted on the worker (NFS, CIFS, Lustre, a FUSE "
     "mount of an object store): slow per stream, shared by many workers.",
-    "mirror": "loaderplug's folder of models on a volume (LOADERPLUG_MIRROR), filled by a "
-    "sync or by huggingface_hub with HF_HOME there; what a hydrate copies from.",
+    "mirror": "loaderplug's folder of models on a volume (LOADERPLUG_MIRROR), or a prefix "
+    "in a bucket (s3://, gs://, az://), filled by a sync or by huggingface_hub with HF_HOME "
+    "there; what a hydrate copies from.",
     "local copy": "A model's copy on the worker's fast local disk, made by a hydrate "
     "(LOADERPLUG_LOCAL_COPIES); the one folder a job publishes into.",
     "job": "One hydrate, sync, selection or load: a plan the runner executes under its "

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import hashlib
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -101,3 +103,26 @@ def test_a_bucket_out_of_reach_never_fails_the_download(
     path = lp_hub.snapshot_download(REPO, cache_dir=tmp_path / "cache")
     assert snapshot_bytes(path) == FILES
     assert not (Path.cwd() / "s3:").exists()  # a URL is never taken for a folder
+
+
+def test_loaderplug_run_serves_a_programs_downloads_from_the_bucket(
+    hub: HubServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _, sha = fill_bucket(hub, tmp_path, monkeypatch)
+    program = (
+        "import huggingface_hub, sys; "
+        f"print(huggingface_hub.snapshot_download({REPO!r}, cache_dir=sys.argv[1]))"
+    )
+    cache = tmp_path / "run-cache"
+    done = subprocess.run(
+        ["loaderplug", "run", "--", sys.executable, "-c", program, str(cache)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=dict(os.environ),
+    )
+    assert done.returncode == 0, done.stderr
+    path = done.stdout.strip().splitlines()[-1]
+    assert path == str(cache.resolve() / FOLDER / "snapshots" / sha)
+    assert snapshot_bytes(path) == FILES
+    assert not [p for _, p in hub.requests if "/resolve/" in p]

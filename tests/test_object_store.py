@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import errno
 import filecmp
+import json
 import os
 import subprocess
 import sys
@@ -330,3 +331,38 @@ def test_a_killed_hydrate_resumes_from_what_landed(
     # Only what had not landed was read again (and the listing's few KiB of XML).
     model_bytes = sum(len(b) for b in tree_bytes(folder).values())
     assert proxy.body_bytes - before <= model_bytes - (1 << 20) + 64 * 1024
+
+
+def test_the_command_line_hydrates_loads_and_diagnoses_a_bucket_without_showing_a_secret(
+    uploaded: tuple[Path, str], tmp_path: Path
+) -> None:
+    folder, url = uploaded
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            ["loaderplug", *args], capture_output=True, text=True, timeout=120, env=dict(os.environ)
+        )
+
+    hydrated = cli("hydrate", "--from", url, "--to", str(tmp_path / "h"), "--json")
+    assert hydrated.returncode == 0, hydrated.stderr
+    assert tree_bytes(tmp_path / "h") == tree_bytes(folder)
+    loaded = cli("load", "--from", url, "--to", str(tmp_path / "l"), "--json")
+    assert loaded.returncode == 0, loaded.stderr
+    shards = sorted(p.name for p in folder.glob("*.safetensors"))
+    assert sorted(json.loads(loaded.stdout)["io"]) == [f"{url}/{n}" for n in shards]
+    assert tree_bytes(tmp_path / "l") == {n: (folder / n).read_bytes() for n in shards}
+    doctor = cli("doctor", url)
+    assert doctor.returncode == 0 and f"{url}: s3 object store" in doctor.stdout
+    assert "5 objects" in doctor.stdout
+    secret = os.environ["AWS_SECRET_ACCESS_KEY"]
+    for done in (hydrated, loaded, doctor):
+        assert secret not in done.stdout + done.stderr
+    bad = subprocess.run(
+        ["loaderplug", "hydrate", "--from", url, "--to", str(tmp_path / "x")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "AWS_SECRET_ACCESS_KEY": "wrong-secret-77"},
+    )
+    assert bad.returncode == 1 and "access denied" in bad.stderr and url in bad.stderr
+    assert "wrong-secret-77" not in bad.stderr + bad.stdout

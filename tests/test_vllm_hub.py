@@ -15,6 +15,9 @@ from typing import Any
 import pytest
 
 from loaderplug.testing.hub import HubServer, client_env, share_blobs
+from loaderplug.testing.object_server import SeaweedS3
+from tests.s3server import BUCKET, fresh_prefix
+from tests.s3server import server as server
 
 pytestmark = [
     pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed"),
@@ -152,3 +155,42 @@ def test_vllms_own_loader_with_a_repo_id_under_loaderplug_run_loads_from_the_mir
     (hung,) = run_vllm(case, tmp_path / "w3", hub, volume, run, LOADERPLUG_HUB_TIMEOUT_S="2")
     assert hung["ok"], hung["log"]
     assert hung["token_ids"] == first["token_ids"]
+
+
+def test_vllm_with_a_repo_id_loads_from_a_bucket_mirror(
+    llama: Path, hub: HubServer, tmp_path: Path, server: SeaweedS3
+) -> None:
+    """``LOADERPLUG_MIRROR=s3://...``: a bucket a sync filled from a volume mirror; a
+    fresh host's vLLM loads from it with no file from the Hub."""
+    import loaderplug
+
+    files = {p.name: p.read_bytes() for p in llama.iterdir()}
+    hub.add_repo(REPO, files)
+    volume = tmp_path / "volume"
+    volume.mkdir()
+    first, reference = run_vllm(
+        [
+            {"model": REPO, "load_format": "volcache"},
+            {"model": str(llama), "load_format": "safetensors"},
+        ],
+        tmp_path / "w1",
+        hub,
+        volume,
+    )
+    assert first["ok"] and reference["ok"], first["log"]
+    bucket = f"s3://{BUCKET}/{fresh_prefix()}"
+    with pytest.MonkeyPatch.context() as patch:
+        for name, value in server.env().items():
+            patch.setenv(name, value)
+        assert loaderplug.sync(volume / "hub", f"{bucket}/hub", progress=False).ok
+    hub.reset_counts()
+    (from_bucket,) = run_vllm(
+        [{"model": REPO, "load_format": "volcache"}],
+        tmp_path / "w2",
+        hub,
+        volume,
+        **{**server.env(), "LOADERPLUG_MIRROR": bucket},
+    )
+    assert from_bucket["ok"], from_bucket["log"]
+    assert from_bucket["token_ids"] == reference["token_ids"]
+    assert hub.file_requests() == 0, hub.requests

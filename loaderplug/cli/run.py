@@ -27,6 +27,7 @@ from pathlib import Path
 from loaderplug.errors import LoaderplugError
 from loaderplug.plugins.manager import Plugins
 from loaderplug.settings import from_env
+from loaderplug.storage.object_urls import ObjectURL, is_object_url
 from loaderplug.types import MirrorRequest
 
 BOOTSTRAP = Path(__file__).resolve().parent.parent / "integrations" / "bootstrap"
@@ -71,6 +72,12 @@ def hook_unavailable() -> str | None:
         return str(exc)
     if importlib.util.find_spec("huggingface_hub") is None:
         return "huggingface_hub is not installed: pip install 'loaderplug[hf]'"
+    if settings.mirror and is_object_url(settings.mirror):
+        try:  # a bucket: its URL is checked here, its objects at each download
+            ObjectURL.parse(settings.mirror, variable="LOADERPLUG_MIRROR")
+        except LoaderplugError as exc:
+            return str(exc)
+        return None
     try:
         mirror = Plugins(settings).find_mirror(MirrorRequest("hub", "any/repo"))
     except LoaderplugError as exc:

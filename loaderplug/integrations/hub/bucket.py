@@ -15,6 +15,7 @@ loaderplug. Downloads are not written back to a bucket.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -27,7 +28,7 @@ from loaderplug.integrations.hub.calls import Call, cache_folder, chooser
 from loaderplug.integrations.upstream import huggingface_hub as seam
 from loaderplug.jobs.object_copies import select_objects
 from loaderplug.report import TransferReport
-from loaderplug.settings import Settings
+from loaderplug.settings import Settings, from_env
 from loaderplug.storage.object_store import ObjectStore, store_for
 from loaderplug.storage.object_urls import ObjectURL
 
@@ -40,6 +41,18 @@ def repo_in_bucket(root: ObjectURL, options: dict[str, Any]) -> ObjectURL:
         repo_id=options["repo_id"], repo_type=hub_commits.repo_type(options)
     )
     return root.child(f"hub/{name}")
+
+
+@functools.lru_cache(maxsize=256)
+def bucket_holds(root: ObjectURL, repo_type: str, repo_id: str) -> bool:
+    """Whether the bucket holds a ref of the repo (asked once per process): a Hub out
+    of reach is then no reason to wait."""
+    repo = repo_in_bucket(root, {"repo_id": repo_id, "repo_type": repo_type})
+    try:
+        store = store_for(repo, from_env().object_timeout_s)
+        return bool(store.list(repo.key("refs")))
+    except OSError:
+        return False
 
 
 def from_bucket(root: ObjectURL, call: Call, settings: Settings) -> str | None:

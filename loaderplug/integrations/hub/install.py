@@ -13,9 +13,11 @@ from typing import Any
 import huggingface_hub
 
 from loaderplug.integrations.hub import outage as hub_outage
+from loaderplug.integrations.hub.bucket import bucket_holds
 from loaderplug.integrations.hub.calls import mirror_for
 from loaderplug.integrations.upstream import huggingface_hub as seam
 from loaderplug.settings import from_env
+from loaderplug.storage.object_urls import ObjectURL, is_object_url
 
 # (module, name, original) for every name rebound, to put back.
 _installed: list[tuple[types.ModuleType, str, Callable[..., Any]]] = []
@@ -74,7 +76,10 @@ def _mirror_holds(repo_type: str, repo_id: str) -> bool:
     """Whether the mirror holds the repo (some commit of it), so that a Hub out of reach
     is no reason to wait."""
     try:
-        mirror = mirror_for({"repo_id": repo_id, "repo_type": repo_type}, from_env())
+        settings = from_env()
+        if settings.mirror and is_object_url(settings.mirror):
+            return bucket_holds(ObjectURL.parse(settings.mirror), repo_type, repo_id)
+        mirror = mirror_for({"repo_id": repo_id, "repo_type": repo_type}, settings)
     except Exception:  # a bad setting is said where it matters: at the download
         return False
     return mirror is not None and (mirror / "refs").is_dir()
