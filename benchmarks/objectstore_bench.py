@@ -199,7 +199,12 @@ def row(
     cmd = [sys.executable, __file__, "--child", kind, "--dst", str(dst), "--urls", *urls]
     if "span_mib" in extra:
         cmd += ["--span-mib", str(extra["span_mib"])]
-    figures = run_child(cmd, env)
+    try:
+        figures: dict[str, Any] = dict(run_child(cmd, env))
+    except SystemExit as failed:  # the row failed: said in the table, the run goes on
+        last = str(failed).strip().splitlines()[-3:]
+        print(f"  {name}: FAILED {last}", flush=True)
+        return {"row": name, "error": " ".join(last)[-300:]}
     figures["row"] = name
     print(f"  {name}: {figures['seconds']:.2f} s, rss {figures['rss'] / MiB:.0f} MiB", flush=True)
     return figures
@@ -210,7 +215,7 @@ def rows_for(
 ) -> list[dict[str, Any]]:
     runai_env = {**env, "RUNAI_STREAMER_S3_USE_VIRTUAL_ADDRESSING": "0"}
     probes = [row(f"probe {s} MiB", "probe", urls, env, dst, span_mib=s) for s in (16, 64)]
-    best = min(probes, key=lambda r: r["seconds"])
+    best = min((p for p in probes if "error" not in p), key=lambda r: r["seconds"])
     best["row"] = "probe"
     out = [best]
     if near:
@@ -276,6 +281,8 @@ def size_cases(
         cases.append({"gib": gib, "bytes": size, "link": link, "rows": far, "want": want})
     for case in cases:
         for r in case["rows"]:
+            if "error" in r:
+                continue
             r["tensors_equal"] = r["digest"] == want if r["digest"] else None
             r["mib_s"] = size / MiB / r["seconds"]
             r["cpu_s_per_gib"] = r["cpu_s"] / (size / GiB)
@@ -291,6 +298,12 @@ def table(raw: dict[str, Any]) -> str:
     for case in raw["cases"]:
         probe = next(r for r in case["rows"] if r["row"] == "probe")
         for r in case["rows"]:
+            if "error" in r:
+                lines.append(
+                    f"| {case['bytes'] / GiB:.1f} GiB | {case['link']} | {r['row']} "
+                    f"| failed: {r['error']} | | | | | | |"
+                )
+                continue
             first = f"{r['first_tensor_s']:.2f}" if r["first_tensor_s"] else "-"
             equal = {True: "yes", False: "**NO**", None: "-"}[r["tensors_equal"]]
             lines.append(
@@ -306,8 +319,8 @@ def ratios(raw: dict[str, Any]) -> list[dict[str, Any]]:
     """The issue's ratios, per case, from the same run."""
     out = []
     for case in raw["cases"]:
-        by = {r["row"]: r for r in case["rows"]}
-        tuned = min(by[f"runai c{n}"]["seconds"] for n in RUNAI_TUNED)
+        by = {r["row"]: r for r in case["rows"] if "error" not in r}
+        tuned = min(by[f"runai c{n}"]["seconds"] for n in RUNAI_TUNED if f"runai c{n}" in by)
         entry = {
             "case": f"{case['bytes'] / GiB:.1f} GiB, {case['link']}",
             "stream_vs_runai_default": by["runai default"]["seconds"]
@@ -330,8 +343,9 @@ def draw(raw: dict[str, Any], out: Path) -> None:
     cases = raw["cases"]
     fig, axes = plt.subplots(1, len(cases), figsize=(5 * len(cases), 4.5), squeeze=False)
     for ax, case in zip(axes[0], cases, strict=True):
-        names = [r["row"] for r in case["rows"]]
-        rates = [r["mib_s"] for r in case["rows"]]
+        done = [r for r in case["rows"] if "error" not in r]
+        names = [r["row"] for r in done]
+        rates = [r["mib_s"] for r in done]
         colors = [
             "#888"
             if n == "probe"

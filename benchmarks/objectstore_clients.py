@@ -7,7 +7,8 @@ best round kept. Figures: MiB/s and the client process's CPU seconds per GiB (th
 server's CPU is not counted; it is the same for every client).
 
 Clients: obstore (``get_range``, the bytes copied into the buffer; and ``get`` with its
-body streamed into the buffer, as loaderplug reads a span), boto3 (``get_object`` with
+body streamed into the buffer, as loaderplug reads a span; both copied as loaderplug
+copies, without the GIL), boto3 (``get_object`` with
 ``Range``, ``Body.read()`` copied; and ``Body.readinto`` straight into the buffer), and
 urllib3 with botocore's SigV4 signer, ``readinto`` straight into the buffer.
 
@@ -36,6 +37,7 @@ sys.path.insert(0, str(REPO))
 
 from common import write_results  # noqa: E402
 
+from loaderplug.storage.object_store import STREAM_CHUNK, copy_into  # noqa: E402
 from loaderplug.testing.object_server import SeaweedS3  # noqa: E402
 from loaderplug.units import GiB, MiB  # noqa: E402
 
@@ -56,14 +58,14 @@ def obstore_readers(server: SeaweedS3) -> dict[str, Reader]:
 
     def get_range(offset: int, buf: memoryview) -> None:
         data = obstore.get_range(store, KEY, start=offset, length=len(buf))
-        buf[:] = memoryview(data)
+        copy_into(buf, memoryview(data).cast("B"))
 
     def streamed(offset: int, buf: memoryview) -> None:
         result = obstore.get(store, KEY, options={"range": (offset, offset + len(buf))})
         done = 0
-        for chunk in result.stream(min_chunk_size=1 << 20):
-            view = memoryview(chunk)
-            buf[done : done + len(view)] = view
+        for chunk in result.stream(min_chunk_size=STREAM_CHUNK):
+            view = memoryview(chunk).cast("B")
+            copy_into(buf[done : done + len(view)], view)
             done += len(view)
 
     return {"obstore get_range": get_range, "obstore get, body streamed": streamed}

@@ -64,7 +64,7 @@ class ObjectProxy:
         self.body_bytes = 0  # bytes of answers' bodies passed on
         self._lock = threading.Lock()
         self._release = threading.Event()
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), _handler_for(self))
+        self._server = _Server(("127.0.0.1", 0), _handler_for(self))
         self._server.daemon_threads = True
         # A client that hangs up on a fault's answer (a reset, a timeout) is expected.
         self._server.handle_error = lambda request, client_address: None  # type: ignore[method-assign]
@@ -96,6 +96,12 @@ class ObjectProxy:
         self._release.set()  # hung answers end
         self._server.shutdown()
         self._server.server_close()
+
+
+class _Server(ThreadingHTTPServer):
+    # Clients open dozens of connections at once (runai's streamer at concurrency 32):
+    # the default backlog of 5 would drop some, failing their requests.
+    request_queue_size = 256
 
 
 def _handler_for(proxy: ObjectProxy) -> type[BaseHTTPRequestHandler]:
