@@ -126,3 +126,26 @@ def test_loaderplug_run_serves_a_programs_downloads_from_the_bucket(
     assert path == str(cache.resolve() / FOLDER / "snapshots" / sha)
     assert snapshot_bytes(path) == FILES
     assert not [p for _, p in hub.requests if "/resolve/" in p]
+
+
+def test_a_bucket_behind_the_hub_serves_nothing_of_another_commit(
+    hub: HubServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _, old = fill_bucket(hub, tmp_path, monkeypatch)
+    newer = hub.add_repo(REPO, {**FILES, "config.json": b'{"model_type": "mistral"}\n'})
+    path = lp_hub.snapshot_download(REPO, cache_dir=tmp_path / "cache2")
+    assert path.endswith(newer) and newer != old
+    assert Path(path, "config.json").read_bytes() == b'{"model_type": "mistral"}\n'
+    # One file asked alone comes from the same commit as the rest.
+    config = lp_hub.hf_hub_download(REPO, "config.json", cache_dir=tmp_path / "cache3")
+    assert Path(config).read_bytes() == b'{"model_type": "mistral"}\n'
+
+
+@pytest.mark.parametrize("mirror", ["s3://My_Bucket/x", "file:///mnt/mirror", "s3://a@b/c"])
+def test_a_mirror_url_that_is_no_bucket_never_fails_the_download(
+    hub: HubServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mirror: str
+) -> None:
+    hub.add_repo(REPO, FILES)
+    monkeypatch.setenv("LOADERPLUG_MIRROR", mirror)
+    path = lp_hub.snapshot_download(REPO, cache_dir=tmp_path / "cache")
+    assert snapshot_bytes(path) == FILES

@@ -205,12 +205,18 @@ def test_a_store_that_hangs_fails_within_the_timeout_and_retries(
 
 @pytest.mark.parametrize(
     "url",
-    ["hdfs://models/x", "s3://ab", "s3://user:secret@models/x", "s3://models/x/../y"],
+    [
+        "hdfs://models/x",
+        "s3://ab",
+        "s3://user:secret@models/x",
+        "s3://AKIA:wJal/secret+key@models/x",  # a secret key holding "/"
+        "s3://models/x/../y",
+    ],
 )
 def test_a_url_that_is_not_a_bucket_and_prefix_is_refused_clearly(url: str, tmp_path: Path) -> None:
     with pytest.raises(SettingsError) as raised:
         loaderplug.hydrate(url, tmp_path / "local")
-    assert "secret" not in str(raised.value)
+    assert "secret" not in str(raised.value) and "wJal" not in str(raised.value)
 
 
 def test_a_key_with_dotdot_in_the_bucket_is_refused_and_nothing_lands_outside(
@@ -366,3 +372,37 @@ def test_the_command_line_hydrates_loads_and_diagnoses_a_bucket_without_showing_
     )
     assert bad.returncode == 1 and "access denied" in bad.stderr and url in bad.stderr
     assert "wrong-secret-77" not in bad.stderr + bad.stdout
+
+
+def test_a_second_load_into_the_same_local_dir_reads_the_local_copies(
+    uploaded: tuple[Path, str], tmp_path: Path
+) -> None:
+    pytest.importorskip("torch")
+    folder, url = uploaded
+    urls = [f"{url}/{p.name}" for p in sorted(folder.glob("*.safetensors"))]
+    first = loaderplug.iter_tensors(urls, local_dir=tmp_path / "local", **OBJECT_FAST)
+    names = sorted(name for name, _ in first)
+    again = loaderplug.iter_tensors(urls, local_dir=tmp_path / "local", **OBJECT_FAST)
+    assert sorted(name for name, _ in again) == names
+    assert again.report is not None and again.report.bytes_copied == 0  # nothing from the store
+    assert all("local copy" in mode for mode in again.io_modes.values()), again.io_modes
+
+
+def test_a_hydrate_waits_for_a_first_sync_and_never_copies_half_a_model(
+    s3: SeaweedS3, model: Path, tmp_path: Path
+) -> None:
+    url = upload(s3, model, fresh_prefix())
+    # A sync under way: its fresh mark, no manifest yet.
+    s3.client().put_object(Bucket=BUCKET, Key=f"{key_of(url)}/.loaderplug-sync", Body=b"{}")
+    with pytest.raises(MirrorError, match="a sync is writing"):
+        loaderplug.hydrate(url, tmp_path / "local", **OBJECT_FAST, sync_wait_s=2)
+    assert not (tmp_path / "local").exists() or tree_bytes(tmp_path / "local") == {}
+
+
+def test_a_folder_marker_in_the_bucket_is_no_file(
+    s3: SeaweedS3, model: Path, tmp_path: Path
+) -> None:
+    url = upload(s3, model, fresh_prefix())
+    s3.client().put_object(Bucket=BUCKET, Key=f"{key_of(url)}/empty-folder/", Body=b"")
+    report = loaderplug.hydrate(url, tmp_path / "local", **OBJECT_FAST)
+    assert report.ok and tree_bytes(tmp_path / "local") == tree_bytes(model)

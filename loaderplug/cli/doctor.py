@@ -12,7 +12,7 @@ from loaderplug.settings import REGISTRY, from_env
 from loaderplug.storage.mounts import find_mount
 from loaderplug.storage.object_source import ObjectFiles
 from loaderplug.storage.object_store import describe_client
-from loaderplug.storage.object_urls import ObjectURL, is_object_url
+from loaderplug.storage.object_urls import ObjectURL, is_object_url, redact
 from loaderplug.tensors.hosts.split import hosts_said
 from loaderplug.units import MiB
 
@@ -39,7 +39,7 @@ def doctor(paths: Sequence[str], environ: dict[str, str] | None = None) -> str:
     lines.append(hosts_said(settings, environ if environ is not None else os.environ))
     lines.append("settings:")
     for var in REGISTRY:
-        shown = var.env_form(getattr(settings, var.field))
+        shown = redact(var.env_form(getattr(settings, var.field)))  # a URL's secrets
         lines.append(f"  {var.name}={shown}  ({settings.origins.get(var.field, 'default')})")
     return "\n".join(lines)
 

@@ -102,7 +102,7 @@ from loaderplug.integrations.hub.calls import (
 )
 from loaderplug.integrations.hub.commits import offline as _offline
 from loaderplug.integrations.hub.notices import cause, failed
-from loaderplug.storage.object_urls import ObjectURL, is_object_url
+from loaderplug.storage.object_urls import ObjectURL, is_object_url, redact
 
 log = logging.getLogger(__name__)
 
@@ -275,31 +275,34 @@ def _download(call: Call) -> Any:
     return result
 
 
-def _bucket_mirror() -> ObjectURL | None:
-    """The bucket LOADERPLUG_MIRROR names, or None (a volume, or no mirror)."""
+def _bucket_mirror() -> str | None:
+    """What LOADERPLUG_MIRROR says where it is a URL, or None (a volume, or no mirror)."""
     try:
         mirror = from_env().mirror
     except Exception:  # a bad setting is said where the volume mirror is looked for
         return None
-    if not mirror or not is_object_url(mirror):
-        return None
-    return ObjectURL.parse(mirror, variable="LOADERPLUG_MIRROR")
+    return mirror if mirror and is_object_url(mirror) else None
 
 
-def _from_bucket(bucket: ObjectURL, call: Call) -> Any:
+def _from_bucket(bucket: str, call: Call) -> Any:
     """A download served from the bucket where it holds the whole call, else the
-    original's; a bucket out of reach or refusing never fails the call."""
+    original's, pinned to the commit the bucket was asked for; a bucket out of reach,
+    refusing, or named wrongly never fails the call."""
+    commit: str | None = None
     try:
-        served = hub_bucket.from_bucket(bucket, call, from_env())
+        url = ObjectURL.parse(bucket, variable="LOADERPLUG_MIRROR")
+        served, commit = hub_bucket.from_bucket(url, call, from_env())
+    except seam.revision_not_found_error():
+        return call.run_original()  # the Hub's own error, as stock raises it
     except Exception as exc:
         log.warning(
             "loaderplug: the bucket %s could not serve %s (%s); downloading it instead",
-            bucket,
+            redact(bucket),
             call.options["repo_id"],
             cause(exc),
         )
         served = None
-    return served if served is not None else call.run_original()
+    return served if served is not None else call.run_original(commit)
 
 
 def _keep_local_ref(options: dict[str, Any], commit: str, settings: Settings) -> None:

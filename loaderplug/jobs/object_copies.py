@@ -20,6 +20,7 @@ import json
 import os
 import posixpath
 import secrets
+import threading
 import time
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -59,7 +60,7 @@ def object_hydrate_plan(url: ObjectURL, dst: Path, settings: Settings) -> Plan:
         job="hydrate",
         source=str(url),
         destination=dst,
-        list_files=lambda: _listing(objects, url, dst),
+        list_files=lambda: _listing(objects, url, dst, settings),
         locks=(folder_lock(dst),),
         leftovers=lambda: temp_files(dst),
         open_source=objects,
@@ -67,11 +68,15 @@ def object_hydrate_plan(url: ObjectURL, dst: Path, settings: Settings) -> Plan:
     )
 
 
-def _listing(objects: ObjectFiles, url: ObjectURL, dst: Path) -> Listing:
+def _listing(objects: ObjectFiles, url: ObjectURL, dst: Path, settings: Settings) -> Listing:
+    store = objects.store(url)
+    manifest = read_manifest(store, url)
+    if manifest is None:  # no versions to hold to: a first sync must end first
+        _wait_for_a_first_sync(store, url, settings.sync_wait_s, settings.sync_stale_s)
+        manifest = read_manifest(store, url)
     found, refused = objects.list(url)
     listing = Listing(refused=refused)
     by_rel = {info.rel: info for info in found if not _is_own(info.rel)}
-    manifest = read_manifest(objects.store(url), url)
     if not by_rel and manifest is None:
         raise FileNotFoundError(2, "no objects under this prefix", str(url))
     if manifest is not None:
@@ -85,6 +90,31 @@ def _listing(objects: ObjectFiles, url: ObjectURL, dst: Path) -> Listing:
     parents = {posixpath.dirname(rel) for rel in by_rel}
     listing.dirs = sorted(_with_ancestors(p for p in parents if p))
     return listing
+
+
+def _wait_for_a_first_sync(
+    store: ObjectStore, url: ObjectURL, wait_s: float, stale_s: float
+) -> None:
+    """Wait while a sync's mark (not stale) is under ``url`` and no manifest is: the
+    objects there are then half a model. A mark still there after ``wait_s`` fails the
+    hydrate, saying so."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            mark = store.head(url.key(SYNC_MARK_NAME))
+        except FileNotFoundError:
+            return
+        age_s = time.time() - mark.mtime_ns / 1e9
+        if age_s >= stale_s:
+            return  # a dead sync's: what it left is listed, and checked as it is read
+        if time.monotonic() >= deadline:
+            raise MirrorError(
+                f"a sync is writing {url} and has written no manifest yet (its mark is "
+                f"{age_s:.0f} s old); run again once it ends"
+            )
+        if read_manifest(store, url) is not None:
+            return
+        time.sleep(1.0)
 
 
 def _keep_manifest_files(
@@ -221,15 +251,35 @@ class ObjectSyncMark:
     def __post_init__(self) -> None:
         self.key = self.url.key(SYNC_MARK_NAME)
         self.token = secrets.token_hex(16)
+        self._done = threading.Event()
+        self._refresh = threading.Thread(
+            target=self._keep_fresh, name="loaderplug-sync-mark", daemon=True
+        )
+
+    def _mark(self) -> bytes:
+        return json.dumps({"token": self.token, "pid": os.getpid(), "at": time.time()}).encode()
 
     def __enter__(self) -> ObjectSyncMark:
-        mark = json.dumps({"token": self.token, "pid": os.getpid(), "at": time.time()})
-        if not self.store.put_bytes(self.key, mark.encode(), if_absent=True):
-            self._take_over_if_stale(mark.encode())
-        held = json.loads(self.store.get_bytes(self.key)).get("token")
-        if held != self.token:
+        if not self.store.put_bytes(self.key, self._mark(), if_absent=True):
+            self._take_over_if_stale(self._mark())
+        if self._holder() != self.token:
             raise MirrorError(f"another sync is writing {self.url}; run again once it ends")
+        self._refresh.start()
         return self
+
+    def _holder(self) -> object:
+        return json.loads(self.store.get_bytes(self.key)).get("token")
+
+    def _keep_fresh(self) -> None:
+        """Rewrite the mark every quarter of ``stale_s`` while the sync runs: a long
+        sync's mark never looks like a dead one's (another sync would take it over,
+        a hydrate would read half a model)."""
+        while not self._done.wait(max(1.0, self.stale_s / 4)):
+            try:
+                if self._holder() == self.token:
+                    self.store.put_bytes(self.key, self._mark())
+            except (OSError, ValueError):
+                continue  # a store that fails once: the next round tries again
 
     def _take_over_if_stale(self, mark: bytes) -> None:
         info = self.store.head(self.key)
@@ -247,8 +297,11 @@ class ObjectSyncMark:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
+        self._done.set()
+        if self._refresh.is_alive():
+            self._refresh.join()
         try:
-            held = json.loads(self.store.get_bytes(self.key)).get("token")
+            held = self._holder()
         except (OSError, ValueError):
             return
         if held == self.token:

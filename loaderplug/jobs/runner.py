@@ -201,8 +201,8 @@ class Runner:
         job was asked to read (``requested``), with ``note`` when another is read."""
         delivery = self.plan.delivery
         cached: float | None = NOT_ASKED
-        if self.plan.source_policy is not None:
-            policy = self.plan.source_policy
+        if self.plan.source_policy is not None and isinstance(entry.source, str):
+            policy = self.plan.source_policy  # an object (a current local copy is a file)
         elif delivery is None:
             policy = self._policy(Path(entry.source))
         else:  # whether a file to load is in the page cache is its own

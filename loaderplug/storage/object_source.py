@@ -11,20 +11,23 @@ request per step.
 
 from __future__ import annotations
 
+import errno
 import threading
 from collections.abc import Iterator
 from typing import Any
 
 from loaderplug.errors import FileError
 from loaderplug.storage.object_store import (
+    NO_ETAG,
     ObjectChanged,
     ObjectInfo,
     ObjectStore,
     copy_into,
     store_for,
 )
-from loaderplug.storage.object_urls import ObjectURL, key_problem
-from loaderplug.types import Identity, IOPolicy
+from loaderplug.storage.object_urls import ObjectURL, is_object_url, key_problem
+from loaderplug.storage.source import PosixSource
+from loaderplug.types import Identity, IOPolicy, Source
 
 
 def object_policy(url: ObjectURL) -> IOPolicy:
@@ -50,7 +53,9 @@ class ObjectFiles:
         store = self.store(url)
         kept, refused = [], {}
         for info in store.list(url.prefix):
-            problem = key_problem(info.rel)
+            if info.rel.endswith("/") and info.size == 0:
+                continue  # a folder marker (a console's "create folder"), not a file
+            problem = key_problem(info.rel) or ("" if info.etag else NO_ETAG)
             if problem:
                 refused[info.rel] = problem
                 continue
@@ -62,6 +67,8 @@ class ObjectFiles:
         """The object at ``url`` (one HEAD), remembered."""
         store = self.store(url)
         info = store.head(url.prefix)
+        if not info.etag:
+            raise OSError(errno.EINVAL, NO_ETAG, str(url))
         self._remember(url, store, info)
         return info
 
@@ -69,7 +76,10 @@ class ObjectFiles:
         with self._lock:
             self._listed[str(url)] = (store, url.prefix, info.identity())
 
-    def __call__(self, src: str, policy: IOPolicy) -> ObjectSource:
+    def __call__(self, src: str, policy: IOPolicy) -> Source:
+        if not is_object_url(src):
+            # A file: the current local copy a load reads instead of the object.
+            return PosixSource(src, policy)
         with self._lock:
             listed = self._listed.get(src)
         if listed is None:  # listed by another ObjectFiles (a rerun's): ask again

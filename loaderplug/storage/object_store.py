@@ -235,9 +235,15 @@ def _info(rel: str, meta: Any) -> ObjectInfo:
     modified = meta["last_modified"]
     mtime_ns = int(modified.timestamp()) * 1_000_000_000 + modified.microsecond * 1000
     # One spelling for every call: a store may quote an ETag in one answer (a HEAD's
-    # header) and not in another (a listing's XML), as Azure does.
-    etag = str(meta.get("e_tag") or meta.get("version") or "").removeprefix("W/").strip('"')
+    # header) and not in another (a listing's XML), as Azure does. A weak ETag is no
+    # validator: If-Match compares strongly (see NO_ETAG).
+    raw = str(meta.get("e_tag") or "")
+    etag = "" if raw.startswith("W/") else raw.strip('"')
     return ObjectInfo(rel, int(meta["size"]), etag, mtime_ns)
+
+
+# Why an object with no strong ETag is not read: nothing would tell its versions apart.
+NO_ETAG = "the store gives it no strong ETag, so its version cannot be checked on each range"
 
 
 def _obstore() -> Any:

@@ -19,7 +19,8 @@ from loaderplug.errors import SettingsError
 STORE_OF_SCHEME = {"s3": "s3", "gs": "gcs", "az": "azure"}
 _URL = re.compile(r"^(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*)://(?P<rest>.*)$", re.DOTALL)
 # Secrets a URL can carry: user:password@ before the host, and a query string.
-_USERINFO = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)[^/@\s]*@")
+# Up to the last "@" of the URL: a secret key may itself hold "/" (AWS's often do).
+_USERINFO = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)[^\s'\"]*@")
 _QUERY = re.compile(r"(?P<url>[A-Za-z][A-Za-z0-9+.-]*://[^\s?'\"]*)\?[^\s'\"]*")
 # A bucket name as every store allows it (S3's rule, the strictest of the three).
 _BUCKET = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
@@ -58,7 +59,7 @@ class ObjectURL:
             raise _bad(
                 variable, text, f"names the unknown scheme {scheme}://; loaderplug reads {known}"
             )
-        if "?" in rest or "#" in rest or "@" in rest.split("/", 1)[0]:
+        if "?" in rest or "#" in rest or "@" in rest:
             raise _bad(
                 variable,
                 text,

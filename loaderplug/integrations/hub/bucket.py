@@ -15,7 +15,6 @@ loaderplug. Downloads are not written back to a bucket.
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
 import os
@@ -43,35 +42,50 @@ def repo_in_bucket(root: ObjectURL, options: dict[str, Any]) -> ObjectURL:
     return root.child(f"hub/{name}")
 
 
-@functools.lru_cache(maxsize=256)
+_held: set[tuple[str, str, str]] = set()
+
+
 def bucket_holds(root: ObjectURL, repo_type: str, repo_id: str) -> bool:
-    """Whether the bucket holds a ref of the repo (asked once per process): a Hub out
-    of reach is then no reason to wait."""
+    """Whether the bucket holds a ref of the repo (a yes kept for the process: a Hub out
+    of reach is then no reason to wait; a no, or a bucket out of reach, asked again)."""
+    key = (str(root), repo_type, repo_id)
+    if key in _held:
+        return True
     repo = repo_in_bucket(root, {"repo_id": repo_id, "repo_type": repo_type})
     try:
         store = store_for(repo, from_env().object_timeout_s)
-        return bool(store.list(repo.key("refs")))
+        holds = bool(store.list(repo.key("refs")))
     except OSError:
         return False
+    if holds:
+        _held.add(key)
+    return holds
 
 
-def from_bucket(root: ObjectURL, call: Call, settings: Settings) -> str | None:
-    """Hydrate the call from the bucket; the path the original would return, or None
-    (said why, at info) where the bucket cannot serve the whole call."""
+def from_bucket(root: ObjectURL, call: Call, settings: Settings) -> tuple[str | None, str | None]:
+    """Hydrate the call from the bucket: the path the original would return, or None
+    (said why, at info) where the bucket cannot serve the whole call; and the commit,
+    learned as for a volume mirror (the Hub's word where it answers, else the bucket's
+    ref), which the original is pinned to where it runs instead."""
     options = call.options
     repo = repo_in_bucket(root, options)
     store = store_for(repo, settings.object_timeout_s)
-    selection, why = _selection(store, repo, call)
+    commit = hub_commits.pinned(
+        options, None, settings, mirror_ref=lambda revision: _commit(store, repo, revision)
+    )
+    if commit is None:
+        log.info("loaderplug: %s not served from %s: no commit known", options["repo_id"], repo)
+        return None, None
+    selection, why = _selection(store, repo, call, commit)
     if selection is None:
         log.info("loaderplug: %s not served from %s: %s", options["repo_id"], repo, why)
-        return None
+        return None, commit
     target, report = _hydrate(repo, options, selection, settings)
     if not report.ok:
         log.warning(
             "loaderplug: %s not served from %s: %s", options["repo_id"], repo, report.summary()
         )
-        return None
-    commit = selection.commit
+        return None, commit
     if options.get("local_dir") is not None:
         write_download_metadata = seam.write_download_metadata()
         for f in selection.usable:
@@ -81,17 +95,14 @@ def from_bucket(root: ObjectURL, call: Call, settings: Settings) -> str | None:
         where = target / "snapshots" / commit
         where.mkdir(parents=True, exist_ok=True)
         hub_commits.keep_local_ref(target, options, commit, fsync=settings.fsync)
-    return str(where / call.file) if call.file is not None else str(where)
+    return (str(where / call.file) if call.file is not None else str(where)), commit
 
 
 def _selection(
-    store: ObjectStore, repo: ObjectURL, call: Call
+    store: ObjectStore, repo: ObjectURL, call: Call, commit: str
 ) -> tuple[hub_mirror.Selection | None, str]:
-    """What the call selects of the commit its revision names in the bucket, every
-    file's blob there at the listing's size; or None and why not."""
-    commit = _commit(store, repo, hub_commits.revision(call.options))
-    if commit is None:
-        return None, f"it holds no ref {hub_commits.revision(call.options)!r}"
+    """What the call selects of ``commit`` in the bucket, every file's blob there at the
+    listing's size; or None and why not."""
     try:
         raw = store.get_bytes(repo.key(hub_mirror.listing_rel(commit)))
         listing, problem = hub_mirror.parse_listing(json.loads(raw))

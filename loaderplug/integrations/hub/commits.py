@@ -28,6 +28,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -95,18 +96,28 @@ _pins: dict[RepoRevision, str] = {}
 _pins_lock = threading.Lock()
 
 
-def pinned(options: dict[str, Any], mirror: Path | None, settings: Settings) -> str | None:
+def pinned(
+    options: dict[str, Any],
+    mirror: Path | None,
+    settings: Settings,
+    *,
+    mirror_ref: Callable[[str], str | None] | None = None,
+) -> str | None:
     """The commit this process uses for the call's repo and revision: learned once (see
     the module doc), or None where neither the Hub nor the mirror can say (the call is
     then left to huggingface_hub). ``RevisionNotFoundError`` where the Hub says the
-    revision does not exist."""
+    revision does not exist. ``mirror_ref`` reads the mirror's ref of a revision where
+    the mirror is no folder (a bucket)."""
     key = RepoRevision.of(options)
     if hub_mirror.COMMIT.match(key.revision):
         return key.revision
     with _pins_lock:  # one request per repo and process, even from threads
         if key in _pins:
             return _pins[key]
-        commit = _learn(key, options, mirror, settings)
+        if mirror_ref is None and mirror is not None:
+            folder = mirror
+            mirror_ref = lambda revision: hub_mirror.resolve_commit(folder, revision)  # noqa: E731
+        commit = _learn(key, options, mirror_ref, settings)
         if commit is not None:
             _pins[key] = commit
         return commit
@@ -134,9 +145,12 @@ def forget_pins() -> None:
 
 
 def _learn(
-    key: RepoRevision, options: dict[str, Any], mirror: Path | None, settings: Settings
+    key: RepoRevision,
+    options: dict[str, Any],
+    mirror_ref: Callable[[str], str | None] | None,
+    settings: Settings,
 ) -> str | None:
-    on_mirror = hub_mirror.resolve_commit(mirror, key.revision) if mirror is not None else None
+    on_mirror = mirror_ref(key.revision) if mirror_ref is not None else None
     if settings.trust_mirror_ref and on_mirror is not None:
         return on_mirror
     commit, why_not = ask_hub(key, options)
