@@ -15,7 +15,7 @@ from tests.conftest import FAST
 
 BUCKET = "models"
 # Spans of 1 MiB (each a ranged GET), quick retries, a short answer timeout.
-OBJECT_FAST = {**FAST, "span_bytes": "1M", "split_threshold_bytes": "2M", "object_timeout_s": 2}
+OBJECT_FAST = {**FAST, "span_bytes": "1M", "split_threshold_bytes": "2M", "object_timeout_s": 5}
 
 
 @pytest.fixture(scope="module")

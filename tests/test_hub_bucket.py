@@ -17,6 +17,7 @@ from huggingface_hub import constants
 
 import loaderplug
 from loaderplug.integrations import huggingface_hub as lp_hub
+from loaderplug.integrations.hub import commits as hub_commits
 from loaderplug.testing.hub import HubServer
 from loaderplug.testing.object_server import SeaweedS3
 from tests.s3server import BUCKET, fresh_prefix, key_of
@@ -133,6 +134,7 @@ def test_a_bucket_behind_the_hub_serves_nothing_of_another_commit(
 ) -> None:
     _, old = fill_bucket(hub, tmp_path, monkeypatch)
     newer = hub.add_repo(REPO, {**FILES, "config.json": b'{"model_type": "mistral"}\n'})
+    hub_commits.forget_pins()  # a fresh process: the first worker's pin is not this one's
     path = lp_hub.snapshot_download(REPO, cache_dir=tmp_path / "cache2")
     assert path.endswith(newer) and newer != old
     assert Path(path, "config.json").read_bytes() == b'{"model_type": "mistral"}\n'

@@ -375,16 +375,17 @@ def test_the_command_line_hydrates_loads_and_diagnoses_a_bucket_without_showing_
 
 
 def test_a_second_load_into_the_same_local_dir_reads_the_local_copies(
-    uploaded: tuple[Path, str], tmp_path: Path
+    uploaded: tuple[Path, str], proxy: ObjectProxy, tmp_path: Path
 ) -> None:
     pytest.importorskip("torch")
     folder, url = uploaded
     urls = [f"{url}/{p.name}" for p in sorted(folder.glob("*.safetensors"))]
     first = loaderplug.iter_tensors(urls, local_dir=tmp_path / "local", **OBJECT_FAST)
     names = sorted(name for name, _ in first)
+    before = proxy.body_bytes
     again = loaderplug.iter_tensors(urls, local_dir=tmp_path / "local", **OBJECT_FAST)
     assert sorted(name for name, _ in again) == names
-    assert again.report is not None and again.report.bytes_copied == 0  # nothing from the store
+    assert proxy.body_bytes == before  # a HEAD per object, no byte of it
     assert all("local copy" in mode for mode in again.io_modes.values()), again.io_modes
 
 
@@ -402,7 +403,10 @@ def test_a_hydrate_waits_for_a_first_sync_and_never_copies_half_a_model(
 def test_a_folder_marker_in_the_bucket_is_no_file(
     s3: SeaweedS3, model: Path, tmp_path: Path
 ) -> None:
+    (model / "sub" / "deeper").mkdir(parents=True)
+    (model / "sub" / "deeper" / "tokenizer.json").write_text("{}")
     url = upload(s3, model, fresh_prefix())
-    s3.client().put_object(Bucket=BUCKET, Key=f"{key_of(url)}/empty-folder/", Body=b"")
+    for marker in ("sub/", "sub/deeper/"):  # as a console's "create folder" makes them
+        s3.client().put_object(Bucket=BUCKET, Key=f"{key_of(url)}/{marker}", Body=b"")
     report = loaderplug.hydrate(url, tmp_path / "local", **OBJECT_FAST)
     assert report.ok and tree_bytes(tmp_path / "local") == tree_bytes(model)

@@ -260,7 +260,9 @@ class ObjectSyncMark:
         return json.dumps({"token": self.token, "pid": os.getpid(), "at": time.time()}).encode()
 
     def __enter__(self) -> ObjectSyncMark:
-        if not self.store.put_bytes(self.key, self._mark(), if_absent=True):
+        created = self.store.put_bytes(self.key, self._mark(), if_absent=True)
+        # Not created: another's, or ours where a retried write had landed already.
+        if not created and self._holder() != self.token:
             self._take_over_if_stale(self._mark())
         if self._holder() != self.token:
             raise MirrorError(f"another sync is writing {self.url}; run again once it ends")

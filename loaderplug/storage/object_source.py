@@ -52,9 +52,14 @@ class ObjectFiles:
         refused, with why (a key that is not a plain relative path)."""
         store = self.store(url)
         kept, refused = [], {}
-        for info in store.list(url.prefix):
-            if info.rel.endswith("/") and info.size == 0:
-                continue  # a folder marker (a console's "create folder"), not a file
+        listed = store.list(url.prefix)
+        folders = {rel.rsplit("/", 1)[0] for rel in (i.rel for i in listed) if "/" in rel}
+        folders |= {f.rsplit("/", i)[0] for f in list(folders) for i in range(f.count("/") + 1)}
+        for info in listed:
+            if info.size == 0 and (info.rel.endswith("/") or info.rel in folders):
+                # A folder marker (a console's "create folder": "dir/", which the client
+                # lists as "dir"), not a file: objects live under it.
+                continue
             problem = key_problem(info.rel) or ("" if info.etag else NO_ETAG)
             if problem:
                 refused[info.rel] = problem

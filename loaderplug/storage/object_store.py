@@ -23,16 +23,21 @@ EACCES, ENOENT, ENOSPC or EINVAL where it cannot; its text names the URL, redact
 
 from __future__ import annotations
 
+import builtins
 import errno
 import os
+import random
 import re
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from loaderplug.storage.object_urls import ObjectURL, redact
 from loaderplug.types import Identity
+
+T = TypeVar("T")
 
 try:  # numpy copies without the GIL (see copy_into); loaderplug does not need it
     import numpy as _numpy
@@ -75,6 +80,24 @@ def copy_into(dst: memoryview, src: memoryview) -> None:
     )
 
 
+# A call other than a span's read (a listing, a HEAD, a small object, an upload) is
+# tried this often on a transient error, waiting a full-jitter backoff of up to
+# CALL_BACKOFF_S x 2^attempt between tries: the engine retries spans itself.
+CALL_ATTEMPTS = 4
+CALL_BACKOFF_S = 0.2
+
+
+def _retried(op: Callable[[], T]) -> T:
+    for attempt in range(CALL_ATTEMPTS):
+        try:
+            return op()
+        except OSError as exc:
+            if exc.errno not in (errno.EIO, errno.EAGAIN) or attempt + 1 == CALL_ATTEMPTS:
+                raise
+            time.sleep(random.uniform(0, CALL_BACKOFF_S * 2**attempt))
+    raise AssertionError("unreachable: CALL_ATTEMPTS is at least 1")
+
+
 class ObjectChanged(Exception):
     """An object was replaced after it was listed (its ETag no longer matches)."""
 
@@ -105,6 +128,9 @@ class ObjectStore:
 
     def list(self, prefix: str) -> list[ObjectInfo]:
         """Every object under ``prefix`` (a key prefix ending at a ``/``, or ``""``)."""
+        return _retried(lambda: self._list(prefix))
+
+    def _list(self, prefix: str) -> builtins.list[ObjectInfo]:  # list: the method above
         below = f"{prefix}/" if prefix else ""
         objects = []
         with self._errors(prefix):
@@ -117,6 +143,9 @@ class ObjectStore:
         return objects
 
     def head(self, key: str) -> ObjectInfo:
+        return _retried(lambda: self._head(key))
+
+    def _head(self, key: str) -> ObjectInfo:
         with self._errors(key):
             return _info(key, _obstore().head(self._calls, key))
 
@@ -143,6 +172,9 @@ class ObjectStore:
     def put_file(self, key: str, path: str) -> None:
         """Upload ``path`` as ``key``: in parallel parts above one part's size, the
         object appearing whole or not at all (an interrupted upload is aborted)."""
+        _retried(lambda: self._put_file(key, path))
+
+    def _put_file(self, key: str, path: str) -> None:
         with open(path, "rb") as file, self._errors(key):
             _obstore().put(
                 self._calls,
@@ -155,6 +187,9 @@ class ObjectStore:
     def put_bytes(self, key: str, data: bytes, *, if_absent: bool = False) -> bool:
         """Write ``data`` as ``key``; with ``if_absent``, only where no object bears
         the key yet (False: one does)."""
+        return _retried(lambda: self._put_bytes(key, data, if_absent))
+
+    def _put_bytes(self, key: str, data: bytes, if_absent: bool) -> bool:
         ob = _obstore()
         with self._errors(key):
             try:
@@ -166,10 +201,16 @@ class ObjectStore:
         return True
 
     def get_bytes(self, key: str) -> bytes:
+        return _retried(lambda: self._get_bytes(key))
+
+    def _get_bytes(self, key: str) -> bytes:
         with self._errors(key):
             return bytes(_obstore().get(self._calls, key).bytes())
 
     def delete(self, key: str) -> None:
+        _retried(lambda: self._delete(key))
+
+    def _delete(self, key: str) -> None:
         with self._errors(key):
             _obstore().delete(self._calls, key)
 
