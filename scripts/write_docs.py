@@ -34,6 +34,8 @@ BENCHMARKS = (
     "multihost",
     "heartbeat",
     "owned",
+    "objectstore",
+    "objectstore_clients",
 )
 
 
