@@ -67,18 +67,15 @@ def run_vllm(
     return cases_in_subprocess(cases, environment, REPO_ROOT, prefix)
 
 
-@pytest.mark.parametrize("layout", ["per-repo", "shared"])
-def test_vllm_with_a_repo_id_fills_the_mirror_then_loads_from_it_up_down_and_offline(
-    llama: Path, hub: HubServer, tmp_path: Path, layout: str
-) -> None:
-    hub.announce_xet = True
-    files = {p.name: p.read_bytes() for p in llama.iterdir()}
-    sha = hub.add_repo(REPO, files)
+def first_worker(
+    llama: Path, hub: HubServer, tmp_path: Path
+) -> tuple[str, Path, dict[str, Any], dict[str, Any]]:
+    """The repo on the Hub, and the first worker (an empty mirror, the Hub up), then
+    vLLM's own loader on the original folder in the same process, for reference: the
+    commit, the volume it filled, and the two runs."""
+    sha = hub.add_repo(REPO, {p.name: p.read_bytes() for p in llama.iterdir()})
     volume = tmp_path / "volume"
     volume.mkdir()
-
-    # The first worker (an empty mirror, the Hub up), then vLLM's own loader on the
-    # original folder in the same process, for reference.
     first, reference = run_vllm(
         [
             {"model": REPO, "load_format": "volcache"},
@@ -89,6 +86,16 @@ def test_vllm_with_a_repo_id_fills_the_mirror_then_loads_from_it_up_down_and_off
         volume,
     )
     assert first["ok"] and reference["ok"], first["log"]
+    return sha, volume, first, reference
+
+
+@pytest.mark.parametrize("layout", ["per-repo", "shared"])
+def test_vllm_with_a_repo_id_fills_the_mirror_then_loads_from_it_up_down_and_offline(
+    llama: Path, hub: HubServer, tmp_path: Path, layout: str
+) -> None:
+    hub.announce_xet = True
+    files = {p.name: p.read_bytes() for p in llama.iterdir()}
+    sha, volume, first, reference = first_worker(llama, hub, tmp_path)
     assert first["token_ids"] == reference["token_ids"]
     assert hub.file_requests() > 0
     mirrored = volume / "hub" / FOLDER
@@ -164,20 +171,7 @@ def test_vllm_with_a_repo_id_loads_from_a_bucket_mirror(
     fresh host's vLLM loads from it with no file from the Hub."""
     import loaderplug
 
-    files = {p.name: p.read_bytes() for p in llama.iterdir()}
-    hub.add_repo(REPO, files)
-    volume = tmp_path / "volume"
-    volume.mkdir()
-    first, reference = run_vllm(
-        [
-            {"model": REPO, "load_format": "volcache"},
-            {"model": str(llama), "load_format": "safetensors"},
-        ],
-        tmp_path / "w1",
-        hub,
-        volume,
-    )
-    assert first["ok"] and reference["ok"], first["log"]
+    _, volume, _, reference = first_worker(llama, hub, tmp_path)
     bucket = f"s3://{BUCKET}/{fresh_prefix()}"
     with pytest.MonkeyPatch.context() as patch:
         for name, value in server.env().items():
