@@ -19,7 +19,8 @@ import pytest
 import loaderplug
 from loaderplug.errors import MirrorError, SettingsError, TransferFailed
 from loaderplug.jobs.partial import JOURNAL_SUFFIX
-from loaderplug.storage.object_store import ObjectInfo, ObjectStore
+from loaderplug.storage.object_store import ObjectInfo, ObjectStore, store_for
+from loaderplug.storage.object_urls import ObjectURL
 from loaderplug.testing.model import write_model
 from loaderplug.testing.object_proxy import Fault, ObjectProxy
 from loaderplug.testing.object_server import KEYS, SeaweedS3
@@ -410,3 +411,20 @@ def test_a_folder_marker_in_the_bucket_is_no_file(
         s3.client().put_object(Bucket=BUCKET, Key=f"{key_of(url)}/{marker}", Body=b"")
     report = loaderplug.hydrate(url, tmp_path / "local", **OBJECT_FAST)
     assert report.ok and tree_bytes(tmp_path / "local") == tree_bytes(model)
+
+
+def test_an_object_replaced_in_the_same_second_with_the_same_size_is_copied_again(
+    s3: SeaweedS3, model: Path, tmp_path: Path
+) -> None:
+    url = upload(s3, model, fresh_prefix())
+    name = "config.json"
+    loaderplug.hydrate(url, tmp_path / "local", **OBJECT_FAST)
+    other = bytes(reversed((model / name).read_bytes()))  # same size, other bytes
+    s3.client().put_object(Bucket=BUCKET, Key=f"{key_of(url)}/{name}", Body=other)
+    # As if in the same second: the copy's time is the new object's Last-Modified, so
+    # size and time match; only the version (the ETag) tells them apart.
+    info = store_for(ObjectURL.parse(url), 5).head(f"{key_of(url)}/{name}")
+    os.utime(tmp_path / "local" / name, ns=(info.mtime_ns, info.mtime_ns))
+    report = loaderplug.hydrate(url, tmp_path / "local", **OBJECT_FAST)
+    assert [r.path for r in report.restored] == [name]
+    assert (tmp_path / "local" / name).read_bytes() == other

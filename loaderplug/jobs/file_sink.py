@@ -25,6 +25,7 @@ from pathlib import Path
 
 from loaderplug.engine.spans import Landed
 from loaderplug.errors import FileError
+from loaderplug.jobs.current_copy import tag_version
 from loaderplug.jobs.partial import Journal, is_partial_name, journal_for, partial_for
 from loaderplug.storage.mounts import is_network_type
 from loaderplug.storage.safe_paths import (
@@ -134,6 +135,7 @@ class FileSink:
         self._made: tuple[int, int] | None = None
         self.stable_inodes = stable_inodes
         self.journal = Journal(dst, identity, fsync=fsync) if identity is not None else None
+        self.etag = identity.etag if identity is not None else ""
 
     def prepare(self) -> None:
         if self.resume is not None:
@@ -301,6 +303,8 @@ class FileSink:
             try:
                 self._check_made(os.fstat(fd))
                 os.utime(fd, ns=(self.mtime_ns, self.mtime_ns))
+                if self.etag:
+                    tag_version(fd, self.etag)
                 if self.fsync:
                     os.fsync(fd)
             finally:
