@@ -97,12 +97,15 @@ def test_a_blob_missing_or_corrupt_in_the_bucket_is_downloaded_from_the_hub(
 def test_a_bucket_out_of_reach_never_fails_the_download(
     hub: HubServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    hub.add_repo(REPO, FILES)
+    sha = hub.add_repo(REPO, FILES)
     monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")  # nothing listens there
     monkeypatch.setenv("LOADERPLUG_MIRROR", f"s3://{BUCKET}/nowhere")
     monkeypatch.setenv("LOADERPLUG_OBJECT_TIMEOUT_S", "2")
     path = lp_hub.snapshot_download(REPO, cache_dir=tmp_path / "cache")
     assert snapshot_bytes(path) == FILES
+    # The Hub's commit, pinned, and the branch's ref written as a download writes it.
+    assert path.endswith(sha)
+    assert (tmp_path / "cache" / FOLDER / "refs" / "main").read_text() == sha
     assert not (Path.cwd() / "s3:").exists()  # a URL is never taken for a folder
 
 

@@ -286,12 +286,15 @@ def _bucket_mirror() -> str | None:
 
 def _from_bucket(bucket: str, call: Call) -> Any:
     """A download served from the bucket where it holds the whole call, else the
-    original's, pinned to the commit the bucket was asked for; a bucket out of reach,
-    refusing, or named wrongly never fails the call."""
+    original's, pinned to the commit the rest of the process uses; a bucket out of
+    reach, refusing, or named wrongly never fails the call."""
     commit: str | None = None
+    settings: Settings | None = None
     try:
         url = ObjectURL.parse(bucket, variable="LOADERPLUG_MIRROR")
-        served, commit = hub_bucket.from_bucket(url, call, from_env())
+        settings = from_env()
+        commit = hub_bucket.commit_for(url, call, settings)
+        served = hub_bucket.from_bucket(url, call, settings, commit) if commit else None
     except seam.revision_not_found_error():
         return call.run_original()  # the Hub's own error, as stock raises it
     except Exception as exc:
@@ -302,7 +305,13 @@ def _from_bucket(bucket: str, call: Call) -> Any:
             cause(exc),
         )
         served = None
-    return served if served is not None else call.run_original(commit)
+    if served is not None:
+        return served
+    result = call.run_original(commit)
+    if commit is not None and settings is not None:
+        # Pinned, the original writes no ref: a later lookup by branch still finds it.
+        _keep_local_ref(call.options, commit, settings)
+    return result
 
 
 def _keep_local_ref(options: dict[str, Any], commit: str, settings: Settings) -> None:

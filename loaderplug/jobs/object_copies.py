@@ -301,7 +301,9 @@ class ObjectSyncMark:
     ) -> None:
         self._done.set()
         if self._refresh.is_alive():
-            self._refresh.join()
+            # A refresh stuck on a store that stopped answering does not hold the sync's
+            # end: the mark is deleted below only if it is still this sync's.
+            self._refresh.join(timeout=self.stale_s)
         try:
             held = self._holder()
         except (OSError, ValueError):

@@ -24,6 +24,7 @@ EACCES, ENOENT, ENOSPC or EINVAL where it cannot; its text names the URL, redact
 from __future__ import annotations
 
 import builtins
+import contextlib
 import errno
 import os
 import random
@@ -126,9 +127,10 @@ class ObjectStore:
         self._reads = _make_store(obstore_store, self.url, timeout_s, retries=0)
         self._calls = _make_store(obstore_store, self.url, timeout_s, retries=3)
 
-    def list(self, prefix: str) -> list[ObjectInfo]:
-        """Every object under ``prefix`` (a key prefix ending at a ``/``, or ``""``)."""
-        return _retried(lambda: self._list(prefix))
+    def list(self, prefix: str, *, retried: bool = True) -> list[ObjectInfo]:
+        """Every object under ``prefix`` (a key prefix ending at a ``/``, or ``""``);
+        without ``retried``, one attempt."""
+        return _retried(lambda: self._list(prefix)) if retried else self._list(prefix)
 
     def _list(self, prefix: str) -> builtins.list[ObjectInfo]:  # list: the method above
         below = f"{prefix}/" if prefix else ""
@@ -211,7 +213,9 @@ class ObjectStore:
         _retried(lambda: self._delete(key))
 
     def _delete(self, key: str) -> None:
-        with self._errors(key):
+        # Gone already is deleted: a retry after a delete whose answer was lost (GCS and
+        # Azure answer 404 where S3 answers 204).
+        with contextlib.suppress(FileNotFoundError), self._errors(key):
             _obstore().delete(self._calls, key)
 
     def _errors(self, key: str) -> _AsOSError:

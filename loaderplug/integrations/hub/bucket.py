@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -42,50 +43,56 @@ def repo_in_bucket(root: ObjectURL, options: dict[str, Any]) -> ObjectURL:
     return root.child(f"hub/{name}")
 
 
-_held: set[tuple[str, str, str]] = set()
+# How long an answer of bucket_holds stands (a yes for good).
+HOLDS_TTL_S = 60.0
+_held: dict[tuple[str, str, str], tuple[bool, float]] = {}
 
 
 def bucket_holds(root: ObjectURL, repo_type: str, repo_id: str) -> bool:
-    """Whether the bucket holds a ref of the repo (a yes kept for the process: a Hub out
-    of reach is then no reason to wait; a no, or a bucket out of reach, asked again)."""
+    """Whether the bucket holds a ref of the repo, so that a Hub out of reach is no
+    reason to wait. Asked once (one attempt: it runs before Hub requests); a yes kept
+    for the process, a no (or a bucket out of reach) for HOLDS_TTL_S."""
     key = (str(root), repo_type, repo_id)
-    if key in _held:
-        return True
+    known = _held.get(key)
+    if known is not None and (known[0] or time.monotonic() - known[1] < HOLDS_TTL_S):
+        return known[0]
     repo = repo_in_bucket(root, {"repo_id": repo_id, "repo_type": repo_type})
     try:
         store = store_for(repo, from_env().object_timeout_s)
-        holds = bool(store.list(repo.key("refs")))
+        holds = bool(store.list(repo.key("refs"), retried=False))
     except OSError:
-        return False
-    if holds:
-        _held.add(key)
+        holds = False
+    _held[key] = (holds, time.monotonic())
     return holds
 
 
-def from_bucket(root: ObjectURL, call: Call, settings: Settings) -> tuple[str | None, str | None]:
-    """Hydrate the call from the bucket: the path the original would return, or None
-    (said why, at info) where the bucket cannot serve the whole call; and the commit,
-    learned as for a volume mirror (the Hub's word where it answers, else the bucket's
-    ref), which the original is pinned to where it runs instead."""
+def commit_for(root: ObjectURL, call: Call, settings: Settings) -> str | None:
+    """The commit the call uses, learned as for a volume mirror (the Hub's word where it
+    answers, else the bucket's ref; a bucket out of reach is no ref); None where neither
+    can say. ``RevisionNotFoundError`` where the Hub says the revision does not exist."""
+    repo = repo_in_bucket(root, call.options)
+    store = store_for(repo, settings.object_timeout_s)
+    return hub_commits.pinned(
+        call.options, None, settings, mirror_ref=lambda revision: _commit(store, repo, revision)
+    )
+
+
+def from_bucket(root: ObjectURL, call: Call, settings: Settings, commit: str) -> str | None:
+    """Hydrate the call's files of ``commit`` from the bucket: the path the original
+    would return, or None (said why) where the bucket cannot serve the whole call."""
     options = call.options
     repo = repo_in_bucket(root, options)
     store = store_for(repo, settings.object_timeout_s)
-    commit = hub_commits.pinned(
-        options, None, settings, mirror_ref=lambda revision: _commit(store, repo, revision)
-    )
-    if commit is None:
-        log.info("loaderplug: %s not served from %s: no commit known", options["repo_id"], repo)
-        return None, None
     selection, why = _selection(store, repo, call, commit)
     if selection is None:
         log.info("loaderplug: %s not served from %s: %s", options["repo_id"], repo, why)
-        return None, commit
+        return None
     target, report = _hydrate(repo, options, selection, settings)
     if not report.ok:
         log.warning(
             "loaderplug: %s not served from %s: %s", options["repo_id"], repo, report.summary()
         )
-        return None, commit
+        return None
     if options.get("local_dir") is not None:
         write_download_metadata = seam.write_download_metadata()
         for f in selection.usable:
@@ -95,7 +102,7 @@ def from_bucket(root: ObjectURL, call: Call, settings: Settings) -> tuple[str | 
         where = target / "snapshots" / commit
         where.mkdir(parents=True, exist_ok=True)
         hub_commits.keep_local_ref(target, options, commit, fsync=settings.fsync)
-    return (str(where / call.file) if call.file is not None else str(where)), commit
+    return str(where / call.file) if call.file is not None else str(where)
 
 
 def _selection(
@@ -129,7 +136,9 @@ def _commit(store: ObjectStore, repo: ObjectURL, revision: str) -> str | None:
         return revision
     try:
         commit = store.get_bytes(repo.key(f"refs/{revision}")).decode().strip()
-    except (FileNotFoundError, UnicodeDecodeError):
+    except (OSError, UnicodeDecodeError) as exc:
+        if not isinstance(exc, FileNotFoundError):  # out of reach: no ref, the Hub says
+            log.info("loaderplug: the bucket's ref %s of %s: %s", revision, repo, exc)
         return None
     return commit if hub_mirror.COMMIT.match(commit) else None
 
